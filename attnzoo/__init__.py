@@ -1,0 +1,13 @@
+"""attnzoo: local and robust attention vision models for timm.
+
+Importing the package registers every model with timm's registry, so that
+``timm.create_model("nat_tiny")`` works after ``import attnzoo``.
+"""
+from . import backends, ops
+from .backends import BackendUnsupportedError, get_backend, set_backend, use_backend
+from . import models  # noqa: F401  (registers the models with timm)
+
+__version__ = "0.1.0"
+
+__all__ = ["backends", "ops", "models", "use_backend", "set_backend", "get_backend",
+           "BackendUnsupportedError", "__version__"]

@@ -1,0 +1,1 @@
+"""nn.Modules built on :mod:`attnzoo.ops`."""

@@ -1,0 +1,1 @@
+"""Model families; importing a module registers its models with timm."""

@@ -1,0 +1,4 @@
+"""Functional attention primitives with backend dispatch (see :mod:`attnzoo.backends`)."""
+from .neighborhood import na1d, na2d
+
+__all__ = ["na1d", "na2d"]

@@ -1,0 +1,355 @@
+"""Neighborhood attention (NA / dilated NA), 1-D and 2-D, with backend dispatch.
+
+Semantics (Hassani et al., NAT / DiNAT), per axis of length ``L`` with odd kernel ``K``,
+``r = K // 2`` and dilation ``d``: query ``i`` belongs to dilation group ``g = i % d`` with in-group
+index ``ip = i // d``; the group has ``Lg = ceil((L - g) / d)`` positions; the window starts at
+``min(max(ip - r, 0), Lg - K)`` and its keys are ``(start + t) * d + g``, ``t < K``. Near a
+border the window is *clamped* (shifted inward), never zero-padded, so every query sees exactly
+``K`` (``K*K`` in 2-D) keys; this needs ``K * d <= L``. The optional relative positional bias
+``rpb`` (``[heads, 2K-1]`` / ``[heads, 2K-1, 2K-1]``) adds ``rpb[h, (key - query) / d + K - 1]``
+to the logit, unscaled; ``q`` is scaled by ``scale`` (default ``head_dim ** -0.5``).
+
+Layout is NATTEN's heads-last ``[B, *spatial, heads, head_dim]``.
+
+The torch reference never forms the full ``N x N`` attention for large maps: it splits each
+dilation group into tiles of ``T`` queries per axis, whose windows all lie inside one
+``T + K - 1`` key region (window starts are monotone with steps of at most one), and runs one
+small masked attention per tile, all tiles batched. Small maps use one tile per group, i.e. a
+dense masked attention. The index tables depend only on the shape and are cached.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from .. import backends
+
+__all__ = ["na1d", "na2d", "na_reference"]
+
+IntOrTuple = Union[int, Sequence[int]]
+
+
+# --------------------------------------------------------------------------------------------
+# argument checking
+# --------------------------------------------------------------------------------------------
+
+def _as_tuple(value: IntOrTuple, n: int, name: str) -> Tuple[int, ...]:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
+    if isinstance(value, int):
+        return (value,) * n
+    if isinstance(value, (tuple, list)) and len(value) == n and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise TypeError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
+
+
+def _check_call(q, k, v, kernel_size, dilation, rpb, n: int):
+    """Validate an NA call; returns (kernel_size, dilation) as tuples."""
+    fn = f"na{n}d"
+    layout = "[B, L, heads, head_dim]" if n == 1 else "[B, H, W, heads, head_dim]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != n + 3:
+            raise ValueError(f"{fn}: {name} must be {n + 3}-D {layout}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{fn}: {name} must be a floating-point tensor, got {t.dtype}")
+    if q.shape != k.shape or q.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{fn}: q and k must have the same shape and v the same [B, *spatial, "
+                         f"heads]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: q, k, v must share dtype and device; got "
+                         f"{q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
+    ks = _as_tuple(kernel_size, n, "kernel_size")
+    dil = _as_tuple(dilation, n, "dilation")
+    spatial = tuple(q.shape[1:1 + n])
+    for K, d, L in zip(ks, dil, spatial):
+        if K < 1 or K % 2 == 0:
+            raise ValueError(f"{fn}: kernel_size must be odd and >= 1, got {kernel_size!r}")
+        if d < 1:
+            raise ValueError(f"{fn}: dilation must be >= 1, got {dilation!r}")
+        if K * d > L:
+            raise ValueError(
+                f"{fn}: kernel_size * dilation must not exceed the input size on every axis; "
+                f"got kernel_size={ks}, dilation={dil}, spatial size {spatial} "
+                "(pad the input, as NAT does for small images)")
+    if rpb is not None:
+        expected = (q.shape[-2],) + tuple(2 * K - 1 for K in ks)
+        if not isinstance(rpb, torch.Tensor):
+            raise TypeError(f"{fn}: rpb must be a torch.Tensor or None, got {type(rpb).__name__}")
+        if tuple(rpb.shape) != expected:
+            raise ValueError(f"{fn}: rpb must have shape [heads, 2K-1, ...] = {expected}, "
+                             f"got {tuple(rpb.shape)}")
+        if rpb.device != q.device:
+            raise ValueError(f"{fn}: rpb is on {rpb.device} but q is on {q.device}")
+    return ks, dil
+
+
+# --------------------------------------------------------------------------------------------
+# torch reference
+# --------------------------------------------------------------------------------------------
+
+class _AxisPlan(NamedTuple):
+    q_index: torch.Tensor    # [d, nT, T]     source position of each tiled query
+    k_index: torch.Tensor    # [d, nT, R]     source position of each key in the tile's region
+    rel: torch.Tensor        # [d, nT, T, R]  rpb offset (0..2K-2) of a neighbour, -1 otherwise
+    slot: torch.Tensor       # [3, L]         (g, tile, t) holding each position's output
+
+
+def _tile_size(group_len: int, kernel: int) -> int:
+    """Queries per tile along one axis. A whole group (dense attention) when the group is short;
+    otherwise about 8: a tile of T queries reads (T+K-1) keys per axis, so larger tiles waste
+    work on keys outside the windows and smaller ones add tiles (measured on CPU)."""
+    if group_len <= max(16, 2 * kernel):
+        return group_len
+    n_tiles = math.ceil(group_len / 8)
+    return math.ceil(group_len / n_tiles)
+
+
+@functools.lru_cache(maxsize=256)
+def _axis_plan(L: int, K: int, d: int) -> _AxisPlan:
+    r = K // 2
+    lg_max = math.ceil(L / d)
+    T = _tile_size(lg_max, K)
+    n_tiles = math.ceil(lg_max / T)
+    R = min(T + K - 1, lg_max)
+    g = torch.arange(d).view(d, 1, 1)
+    lg = torch.div(L - g + d - 1, d, rounding_mode="floor")  # true length of each group
+    tiled = torch.arange(n_tiles * T).view(1, n_tiles, T)
+    # Padded queries (beyond their group) duplicate the group's last query: never an all-masked
+    # row (which would give NaN), and their outputs are dropped.
+    ip = torch.minimum(tiled, lg - 1)
+    start = torch.clamp(ip - r, min=0).minimum(lg - K)
+    region = torch.clamp(start[:, :, :1], max=lg_max - R)               # [d, nT, 1]
+    key_ip = region + torch.arange(R).view(1, 1, R)                      # [d, nT, R]
+    off = key_ip.unsqueeze(2) - start.unsqueeze(3)                       # [d, nT, T, R]
+    rel = torch.where((off >= 0) & (off < K), key_ip.unsqueeze(2) - ip.unsqueeze(3) + K - 1, -1)
+    # Keys past a short group's end are never neighbours; clamp only to keep the gather in range.
+    k_index = (key_ip * d + g).clamp(max=L - 1)
+    pos = torch.arange(L)
+    slot = torch.stack([pos % d, pos // d // T, pos // d % T])
+    return _AxisPlan(ip * d + g, k_index, rel, slot)
+
+
+class _Plan(NamedTuple):
+    q_index: torch.Tensor    # [tiles, Tq]  flat spatial index of each tiled query
+    k_index: torch.Tensor    # [tiles, Rk]  flat spatial index of each key of the tile's region
+    rel: torch.Tensor        # [tiles, Tq, Rk] flat rpb index, -1 outside the neighbourhood
+    mask: torch.Tensor       # [tiles, Tq, Rk] bool, True inside the neighbourhood
+    out_index: torch.Tensor  # [N]  slot in the flattened [tiles * Tq] output of each position
+
+
+def _place(t: torch.Tensor, positions: Sequence[int], ndim: int) -> torch.Tensor:
+    """View ``t`` so that its dims land at ``positions`` of an ``ndim``-dim broadcastable shape."""
+    shape = [1] * ndim
+    for size, p in zip(t.shape, positions):
+        shape[p] = size
+    return t.reshape(shape)
+
+
+@functools.lru_cache(maxsize=128)
+def _plan(spatial: Tuple[int, ...], ks: Tuple[int, ...], dil: Tuple[int, ...],
+          device: torch.device) -> _Plan:
+    n = len(spatial)
+    axes = [_axis_plan(L, K, d) for L, K, d in zip(spatial, ks, dil)]
+    strides = [math.prod(spatial[a + 1:]) for a in range(n)]
+    rel_strides = [math.prod(2 * K - 1 for K in ks[a + 1:]) for a in range(n)]
+    # Tile dims are ordered (g_0..g_n-1, j_0..j_n-1), then in-tile (t_0..) and region (r_0..) dims.
+    q_index = sum(_place(ax.q_index * s, (a, n + a, 2 * n + a), 3 * n)
+                  for a, (ax, s) in enumerate(zip(axes, strides)))
+    k_index = sum(_place(ax.k_index * s, (a, n + a, 2 * n + a), 3 * n)
+                  for a, (ax, s) in enumerate(zip(axes, strides)))
+    rel_dims = lambda a: (a, n + a, 2 * n + a, 3 * n + a)  # noqa: E731
+    mask = functools.reduce(torch.logical_and, [
+        _place(ax.rel >= 0, rel_dims(a), 4 * n) for a, ax in enumerate(axes)])
+    rel = sum(_place(ax.rel.clamp(min=0) * s, rel_dims(a), 4 * n)
+              for a, (ax, s) in enumerate(zip(axes, rel_strides)))
+    rel = torch.where(mask, rel, -1)
+    n_groups_tiles = math.prod(q_index.shape[:2 * n])
+    tq = math.prod(q_index.shape[2 * n:])
+    rk = math.prod(k_index.shape[2 * n:])
+    # Output slot of each position: its (g, j, t) per axis, in the tile order above.
+    slots = torch.arange(q_index.numel()).view(q_index.shape)
+    out_index = slots[tuple(_place(ax.slot[c], (a,), n) for c in range(3)
+                            for a, ax in enumerate(axes))]
+    to = dict(device=device)
+    return _Plan(q_index.reshape(n_groups_tiles, tq).to(**to),
+                 k_index.reshape(n_groups_tiles, rk).to(**to),
+                 rel.reshape(n_groups_tiles, tq, rk).to(**to),
+                 mask.reshape(n_groups_tiles, tq, rk).to(**to),
+                 out_index.reshape(-1).to(**to))
+
+
+def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
+                 dilation: Tuple[int, ...], rpb: Optional[torch.Tensor],
+                 scale: float) -> torch.Tensor:
+    """Pure-PyTorch NA on ``[B, *spatial, heads, d]`` (already validated); differentiable in q,
+    k, v and rpb, any device and float dtype."""
+    n = len(kernel_size)
+    B, spatial, heads, dim = q.shape[0], tuple(q.shape[1:1 + n]), q.shape[-2], q.shape[-1]
+    plan = _plan(spatial, tuple(kernel_size), tuple(dilation), q.device)
+    tiles, tq = plan.q_index.shape
+    rk = plan.k_index.shape[1]
+
+    def gather(x, index):  # [B, N, heads, c] -> [B, heads, tiles, rows, c]
+        rows = x.reshape(B, -1, heads, x.shape[-1]).index_select(1, index.reshape(-1))
+        return rows.view(B, tiles, -1, heads, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    qt = gather(q, plan.q_index)
+    kt, vt = gather(k, plan.k_index), gather(v, plan.k_index)
+    if rpb is None:
+        bias = plan.mask  # boolean: True = attend
+    else:
+        bias = rpb.reshape(heads, -1)[:, plan.rel.clamp(min=0)].to(q.dtype)
+        bias = bias.masked_fill(~plan.mask, float("-inf"))  # [heads, tiles, Tq, Rk]
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale)
+    out = out.permute(0, 2, 3, 1, 4).reshape(B, tiles * tq, heads, v.shape[-1])
+    return out.index_select(1, plan.out_index).view(B, *spatial, heads, v.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# NATTEN backend
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _natten():
+    """(module, api) with api "fused" (NATTEN >= 0.20: na{n}d, no RPB) or "legacy" (<= 0.17.5:
+    na{n}d_qk / na{n}d_av with RPB); (None, reason) when NATTEN is not usable."""
+    try:
+        import natten
+        import natten.functional as nf
+    except ImportError as e:
+        return None, (f"NATTEN is not installed ({e}); install it with "
+                      "`pip install --no-build-isolation natten` (after torch)")
+    if hasattr(nf, "na2d_qk") and hasattr(nf, "na2d_av"):
+        return nf, "legacy"
+    if hasattr(natten, "na2d"):
+        return natten, "fused"
+    return None, f"NATTEN {getattr(natten, '__version__', '?')} has neither na2d nor na2d_qk"
+
+
+class NACall(NamedTuple):
+    """What backend selection needs to know about an NA call (hashable, cached)."""
+    ndim: int
+    device: str
+    dtype: torch.dtype
+    head_dim: int
+    rpb: bool
+    grad: bool
+
+
+_NATTEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _natten_support(call: NACall) -> Optional[str]:
+    module, api = _natten()
+    if module is None:
+        return api
+    if api == "legacy":
+        return None
+    if call.rpb:
+        return "NATTEN >= 0.20 has no relative positional bias (rpb)"
+    if call.dtype not in _NATTEN_DTYPES:
+        return f"NATTEN supports {', '.join(map(str, _NATTEN_DTYPES))}, not {call.dtype}"
+    if call.device == "cpu":
+        # NATTEN >= 0.20 on CPU runs PyTorch's unfused FlexAttention: forward only, and the
+        # head dim must be a power of two.
+        if call.grad:
+            return "NATTEN's CPU path has no backward (inputs require grad)"
+        if call.head_dim & (call.head_dim - 1):
+            return f"NATTEN's CPU path needs a power-of-two head_dim, got {call.head_dim}"
+    elif call.device != "cuda":
+        return f"NATTEN runs on CPU and CUDA tensors, not {call.device}"
+    return None
+
+
+def _na_natten(q, k, v, kernel_size, dilation, rpb, scale):
+    module, api = _natten()
+    n = len(kernel_size)
+    ks = kernel_size if n > 1 else kernel_size[0]
+    dil = dilation if n > 1 else dilation[0]
+    if api == "fused":
+        try:
+            return getattr(module, f"na{n}d")(q, k, v, kernel_size=ks, dilation=dil, scale=scale)
+        except NotImplementedError as e:
+            raise backends.BackendUnsupportedError(
+                f"backend 'natten' cannot run na{n}d here: {e}. Backends that can: 'torch', "
+                "'auto'.") from e
+    # NATTEN <= 0.17.5: unfused QK (+RPB) / AV on heads-first [B, heads, *spatial, d] tensors.
+    to_heads_first = lambda t: t.movedim(-2, 1)  # noqa: E731
+    attn = getattr(module, f"na{n}d_qk")(to_heads_first(q) * scale, to_heads_first(k), ks, dil,
+                                         rpb=rpb)
+    out = getattr(module, f"na{n}d_av")(attn.softmax(dim=-1), to_heads_first(v), ks, dil)
+    return out.movedim(1, -2)
+
+
+# --------------------------------------------------------------------------------------------
+# attnzoo Triton kernels (the "cuda" backend)
+# --------------------------------------------------------------------------------------------
+
+def _cuda_support(call: NACall) -> Optional[str]:
+    # A named slot: the fused Triton kernels land in a later release.
+    return f"attnzoo's Triton kernels for na{call.ndim}d are not implemented yet"
+
+
+def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):  # pragma: no cover - unreachable
+    raise backends.BackendUnsupportedError("attnzoo's Triton NA kernels are not implemented yet")
+
+
+def _auto_order(call: NACall) -> Tuple[str, ...]:
+    # On CPU the tiled torch reference is 10-40x faster than NATTEN's unfused Flex path.
+    return ("cuda", "natten", "torch") if call.device == "cuda" else ("torch",)
+
+
+_IMPLS = {"torch": na_reference, "natten": _na_natten, "cuda": _na_cuda}
+for _n in (1, 2):
+    backends.register_op(f"na{_n}d", {"torch": lambda call: None, "natten": _natten_support,
+                                      "cuda": _cuda_support}, order=_auto_order)
+
+
+# --------------------------------------------------------------------------------------------
+# public ops
+# --------------------------------------------------------------------------------------------
+
+def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
+    ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, n)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, rpb))
+    call = NACall(n, q.device.type, q.dtype, q.shape[-1], rpb is not None, grad)
+    chosen = backends.resolve(f"na{n}d", call, backend)
+    return _IMPLS[chosen](q, k, v, ks, dil, rpb, scale)
+
+
+def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntOrTuple,
+         dilation: IntOrTuple = 1, rpb: Optional[torch.Tensor] = None,
+         scale: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """2-D (dilated) neighborhood attention.
+
+    Args:
+        q, k, v: ``[B, H, W, heads, head_dim]``.
+        kernel_size: odd window size (int or ``(kh, kw)``); ``kernel_size * dilation <= H, W``.
+        dilation: dilation (int or ``(dh, dw)``).
+        rpb: optional relative positional bias ``[heads, 2kh-1, 2kw-1]``, added unscaled.
+        scale: logit scale applied to q (default ``head_dim ** -0.5``).
+        backend: ``"torch" | "natten" | "cuda" | "auto"``; ``None`` follows
+            :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
+
+    Returns:
+        ``[B, H, W, heads, head_dim]``.
+    """
+    return _na(2, q, k, v, kernel_size, dilation, rpb, scale, backend)
+
+
+def na1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntOrTuple,
+         dilation: IntOrTuple = 1, rpb: Optional[torch.Tensor] = None,
+         scale: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """1-D (dilated) neighborhood attention on ``[B, L, heads, head_dim]``; ``rpb`` is
+    ``[heads, 2K-1]``. Same semantics and backends as :func:`na2d`."""
+    return _na(1, q, k, v, kernel_size, dilation, rpb, scale, backend)
