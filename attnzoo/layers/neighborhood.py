@@ -1,0 +1,146 @@
+"""Neighborhood attention (NA / dilated NA) as an ``nn.Module`` on NHWC feature maps.
+
+The layer is NAT's / DiNAT's attention: a fused ``qkv`` projection, 2-D neighborhood attention
+with an optional relative positional bias ``rpb`` (parameter names match the official
+checkpoints), and an output projection ``proj``.
+
+Small inputs: NA needs ``kernel_size * dilation <= H, W``. Like the official runtime, the layer
+zero-pads its (already normalised) input right/bottom up to ``kernel_size * dilation`` before
+``qkv``, so the padded tokens' keys/values equal the ``qkv`` bias and are *not* masked, runs NA,
+and crops back before ``proj``. Official weights thus give official outputs at any input size.
+
+Backend dispatch happens in plain module-level functions: :func:`na2d_dispatch` is
+``@torch.jit.ignore`` (scripted models call it as Python, so the context-variable backend switch
+keeps working) and both helpers are registered with timm as FX leaves (``torch.fx`` does not
+trace their shape-dependent control flow). Their names must not start with ``_``: torch.fx's
+autowrap skips private globals.
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import trunc_normal_
+from timm.models import register_notrace_function
+
+from .. import backends
+from ..ops import na2d
+
+__all__ = ["NeighborhoodAttention2d"]
+
+
+@register_notrace_function
+def pad_to_window(x: torch.Tensor, window: int) -> torch.Tensor:
+    """Zero-pad NHWC ``x`` right/bottom so that H and W are at least ``window`` (= K * d)."""
+    pad_h = max(window - x.shape[1], 0)
+    pad_w = max(window - x.shape[2], 0)
+    if pad_h > 0 or pad_w > 0:
+        x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+    return x
+
+
+@register_notrace_function
+@torch.jit.ignore
+def na2d_dispatch(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kernel_size: int,
+        dilation: int,
+        rpb: Optional[torch.Tensor],
+        scale: float,
+        backend: Optional[str],
+) -> torch.Tensor:
+    # Kept out of TorchScript: backend resolution reads a ContextVar, env vars and caches.
+    return na2d(q, k, v, kernel_size=kernel_size, dilation=dilation, rpb=rpb, scale=scale,
+                backend=backend)
+
+
+class NeighborhoodAttention2d(nn.Module):
+    """Multi-head (dilated) neighborhood attention on ``[B, H, W, C]`` input.
+
+    Args:
+        dim: channels C (input and output).
+        num_heads: attention heads; ``dim`` must be divisible by it.
+        kernel_size: odd neighborhood size K.
+        dilation: neighborhood dilation d.
+        qkv_bias: bias on the fused ``qkv`` projection.
+        rel_pos_bias: learn a relative positional bias ``rpb`` ``[heads, 2K-1, 2K-1]``.
+        attn_drop: dropout on attention weights; the NA op computes the softmax internally and
+            has no dropout, so only ``0.`` is accepted.
+        proj_drop: dropout after ``proj``.
+        backend: NA backend (``"torch" | "natten" | "cuda" | "auto"``); ``None`` follows
+            :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            kernel_size: int = 7,
+            dilation: int = 1,
+            qkv_bias: bool = True,
+            rel_pos_bias: bool = True,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            backend: Optional[str] = None,
+            device=None,
+            dtype=None,
+    ):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size!r}")
+        if not isinstance(dilation, int) or dilation < 1:
+            raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
+        if attn_drop:
+            raise ValueError(
+                f"attn_drop={attn_drop}: attention-weight dropout is not supported, the "
+                "neighborhood-attention op fuses the softmax (use proj_drop / drop_path)")
+        if backend is not None:
+            backends.get_backend(backend)  # unknown names raise ValueError now, not at forward
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.kernel_size = kernel_size
+        self.dilation = dilation
+        self.window = kernel_size * dilation  # smallest H, W the op accepts
+        self.backend = backend
+
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        if rel_pos_bias:
+            self.rpb = nn.Parameter(torch.empty(num_heads, 2 * kernel_size - 1,
+                                                2 * kernel_size - 1, **dd))
+        else:
+            self.register_parameter("rpb", None)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Official init: every Linear trunc_normal(.02) / zero bias, rpb trunc_normal(.02).
+        for linear in (self.qkv, self.proj):
+            trunc_normal_(linear.weight, std=.02)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        if self.rpb is not None:
+            trunc_normal_(self.rpb, std=.02)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, "
+                f"dilation={self.dilation}, rel_pos_bias={self.rpb is not None}, "
+                f"backend={self.backend!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        H, W = x.shape[1], x.shape[2]
+        x = pad_to_window(x, self.window)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(3)
+        x = na2d_dispatch(q, k, v, self.kernel_size, self.dilation, self.rpb, self.scale,
+                           self.backend)
+        x = x.flatten(-2)[:, :H, :W]
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
