@@ -200,7 +200,7 @@ def _plan(spatial: Tuple[int, ...], ks: Tuple[int, ...], dil: Tuple[int, ...],
     return _Plan(opt(_unless_identity(q_index, size)), opt(_unless_identity(k_index, size)),
                  rel.reshape(tiles, tq, rk).to(device),
                  mask.reshape(tiles, 1, tq, rk).to(device),
-                 opt(_unless_identity(out_index, size)), tiles, tq, rk)
+                 opt(_unless_identity(out_index, tiles * tq)), tiles, tq, rk)
 
 
 # Under torch.compile the plan is a constant of the graph (it depends on static shapes only), so
@@ -306,6 +306,8 @@ def _na_natten(q, k, v, kernel_size, dilation, rpb, scale):
     ks = kernel_size if n > 1 else kernel_size[0]
     dil = dilation if n > 1 else dilation[0]
     if api == "fused":
+        if not torch.is_grad_enabled():  # NATTEN refuses inputs that require grad on CPU
+            q, k, v = q.detach(), k.detach(), v.detach()
         try:
             return getattr(module, f"na{n}d")(q, k, v, kernel_size=ks, dilation=dil, scale=scale)
         except NotImplementedError as e:

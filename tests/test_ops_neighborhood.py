@@ -1,0 +1,738 @@
+"""Tests of the neighborhood-attention ops (attnzoo.ops.neighborhood) and the backend switch.
+
+The oracle here is an independent brute force written from the spec (shared/specs/nat.md):
+plain Python loops over the queries, each window computed from the per-axis formula
+
+    g = i % d, ip = i // d, Lg = ceil((L - g) / d), start = min(max(ip - K//2, 0), Lg - K),
+    neighbours (start + t) * d + g,  t < K,
+
+logits q.k * scale + rpb[h, (ky - qy)/d + K - 1, (kx - qx)/d + K - 1] (bias unscaled), softmax
+over the K*K neighbourhood, weighted sum of v; in float64. Nothing from attnzoo.ops is reused.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo import backends
+from attnzoo.backends import BackendUnsupportedError
+from attnzoo.ops import na1d, na2d
+from attnzoo.ops import neighborhood as nbh
+
+
+# --------------------------------------------------------------------------------------------
+# global state hygiene
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _clean_backend_state(monkeypatch):
+    """Every test starts and ends with no process default, no env var, fresh caches."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    backends.set_backend(None)
+    backends._auto_choice.cache_clear()
+    yield
+    backends.set_backend(None)
+    backends._auto_choice.cache_clear()
+    nbh._natten.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------
+# the independent brute force
+# --------------------------------------------------------------------------------------------
+
+def window(L: int, K: int, d: int, i: int) -> list:
+    """Key positions (along one axis) of query ``i``, straight from the spec formula."""
+    g = i % d
+    ip = i // d
+    Lg = -(-(L - g) // d)  # ceil((L - g) / d)
+    start = min(max(ip - K // 2, 0), Lg - K)
+    return [(start + t) * d + g for t in range(K)]
+
+
+def brute_na2d(q, k, v, kernel_size, dilation, rpb=None, scale=None):
+    """[B, H, W, heads, D] -> [B, H, W, heads, E]; a Python loop over every query."""
+    KH, KW = kernel_size
+    dh, dw = dilation
+    B, H, W, heads, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    rows = []
+    for y in range(H):
+        wy = window(H, KH, dh, y)
+        for x in range(W):
+            wx = window(W, KW, dw, x)
+            ys = torch.tensor([a for a in wy for _ in wx])
+            xs = torch.tensor([b for _ in wy for b in wx])
+            keys, vals = k[:, ys, xs], v[:, ys, xs]                      # [B, KK, heads, *]
+            logits = torch.einsum("bhd,bnhd->bhn", q[:, y, x] * scale, keys)
+            if rpb is not None:
+                ry = torch.tensor([(a - y) // dh + KH - 1 for a in wy for _ in wx])
+                rx = torch.tensor([(b - x) // dw + KW - 1 for _ in wy for b in wx])
+                logits = logits + rpb[:, ry, rx].to(logits.dtype)          # [heads, KK]
+            attn = logits.softmax(dim=-1)
+            rows.append(torch.einsum("bhn,bnhe->bhe", attn, vals))
+    return torch.stack(rows, dim=1).view(B, H, W, heads, v.shape[-1])
+
+
+def brute_na1d(q, k, v, K, d, rpb=None, scale=None):
+    """[B, L, heads, D] -> [B, L, heads, E]."""
+    B, L, heads, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    rows = []
+    for i in range(L):
+        wi = window(L, K, d, i)
+        idx = torch.tensor(wi)
+        logits = torch.einsum("bhd,bnhd->bhn", q[:, i] * scale, k[:, idx])
+        if rpb is not None:
+            logits = logits + rpb[:, torch.tensor([(j - i) // d + K - 1 for j in wi])]
+        rows.append(torch.einsum("bhn,bnhe->bhe", logits.softmax(-1), v[:, idx]))
+    return torch.stack(rows, dim=1)
+
+
+def test_window_formula_by_hand():
+    """Guard the oracle itself against a hand-worked example."""
+    assert [window(5, 3, 1, i) for i in range(5)] == [
+        [0, 1, 2], [0, 1, 2], [1, 2, 3], [2, 3, 4], [2, 3, 4]]
+    # L=7, d=2: group 0 = 0,2,4,6 (Lg 4), group 1 = 1,3,5 (Lg 3, exactly K)
+    assert [window(7, 3, 2, i) for i in range(7)] == [
+        [0, 2, 4], [1, 3, 5], [0, 2, 4], [1, 3, 5], [2, 4, 6], [1, 3, 5], [2, 4, 6]]
+    for L, K, d in [(13, 5, 2), (23, 7, 3), (12, 3, 4)]:
+        for i in range(L):
+            w = window(L, K, d, i)
+            assert len(set(w)) == K and i in w and all(0 <= j < L and j % d == i % d for j in w)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+def _pair(x):
+    return (x, x) if isinstance(x, int) else tuple(x)
+
+
+def make_inputs(shape, rpb_kernel=None, dtype=torch.float64, v_dim=None, seed=0,
+                requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(shape, generator=g, dtype=dtype)
+    k = torch.randn(shape, generator=g, dtype=dtype)
+    vshape = shape if v_dim is None else shape[:-1] + (v_dim,)
+    v = torch.randn(vshape, generator=g, dtype=dtype)
+    rpb = None
+    if rpb_kernel is not None:
+        ks = (rpb_kernel,) if isinstance(rpb_kernel, int) else tuple(rpb_kernel)
+        rpb = torch.randn((shape[-2],) + tuple(2 * K - 1 for K in ks), generator=g, dtype=dtype)
+    tensors = [q, k, v] + ([rpb] if rpb is not None else [])
+    for t in tensors:
+        t.requires_grad_(requires_grad)
+    return q, k, v, rpb
+
+
+def grads_of(out, inputs, seed=1):
+    """Gradients of a random weighted sum of ``out`` (the weights drawn in float64, so every
+    dtype sees the same weights)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad((out * w).sum(), inputs)
+
+
+# --------------------------------------------------------------------------------------------
+# torch reference vs brute force, forward and backward (float64)
+# --------------------------------------------------------------------------------------------
+
+# (B, H, W, heads, D), kernel, dilation, rpb, scale, v_dim
+CASES_2D = [
+    pytest.param((2, 7, 9, 2, 4), 3, 1, True, None, None, id="k3d1-odd"),
+    pytest.param((1, 9, 11, 3, 5), 3, 2, True, None, None, id="k3d2-notdivisible"),
+    pytest.param((1, 11, 13, 2, 4), 5, 2, False, None, None, id="k5d2-norpb"),
+    pytest.param((1, 13, 10, 1, 3), 3, 3, True, 0.7, None, id="k3d3-scale"),
+    pytest.param((1, 12, 13, 2, 4), 3, 4, True, None, None, id="k3d4-H=K*d"),
+    pytest.param((1, 7, 8, 2, 4), 7, 1, True, None, None, id="k7d1-H=K"),
+    pytest.param((1, 10, 14, 1, 4), 5, 2, True, None, 6, id="k5d2-H=K*d-vdim6"),
+    pytest.param((1, 15, 8, 2, 4), 7, (2, 1), True, None, None, id="k7d(2,1)"),
+    pytest.param((1, 9, 10, 2, 4), (5, 3), (1, 3), True, None, None, id="k(5,3)d(1,3)"),
+    pytest.param((1, 13, 7, 1, 4), (3, 7), (4, 1), False, 0.25, None, id="k(3,7)d(4,1)-W=K"),
+    pytest.param((2, 6, 5, 2, 3), 1, (2, 1), True, None, None, id="k1"),
+    # tiled path: a dilation group longer than max(16, 2K) on an axis
+    pytest.param((1, 40, 23, 2, 4), 7, 1, True, None, None, id="tiled-40x23-k7d1"),
+    pytest.param((2, 70, 9, 1, 4), 3, (2, 3), True, None, None, id="tiled-70x9-k3d(2,3)-b2"),
+    pytest.param((1, 55, 10, 1, 4), 5, (3, 2), True, None, None, id="tiled-55x10-k5d(3,2)"),
+    pytest.param((1, 37, 18, 1, 3), (3, 5), 1, False, None, None, id="tiled-37x18-k(3,5)-norpb"),
+    # tiled along H with a padded last tile, one dense tile along W, no dilation
+    pytest.param((1, 21, 14, 1, 4), 7, 1, True, None, None, id="tiled-21x14-k7d1-padded"),
+    pytest.param((2, 19, 9, 2, 3), 3, 1, False, None, None, id="tiled-19x9-k3d1-padded"),
+]
+
+
+@pytest.mark.parametrize("shape,kernel,dilation,use_rpb,scale,v_dim", CASES_2D)
+def test_na2d_torch_matches_brute_force(shape, kernel, dilation, use_rpb, scale, v_dim):
+    ks = _pair(kernel)
+    q, k, v, rpb = make_inputs(shape, ks if use_rpb else None, v_dim=v_dim, requires_grad=True)
+    inputs = [t for t in (q, k, v, rpb) if t is not None]
+
+    out = na2d(q, k, v, kernel_size=kernel, dilation=dilation, rpb=rpb, scale=scale,
+               backend="torch")
+    expected = brute_na2d(q, k, v, ks, _pair(dilation), rpb, scale)
+    assert out.shape == expected.shape and out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+    got_grads = grads_of(out, inputs)
+    exp_grads = grads_of(expected, inputs)
+    for name, g, e in zip("qkvr", got_grads, exp_grads):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad {name}: {m}")
+
+
+def test_tiled_cases_really_tile(monkeypatch):
+    """The 'tiled-*' cases above must exercise the tiled path: the reference's attention calls
+    see fewer keys per query row than a whole dilation group holds (not one dense masked
+    attention). Spies on SDPA; skipped if the reference stops using it."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append(k.shape[-2])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(nbh.F, "scaled_dot_product_attention", spy)
+    for spatial, ks, dil in [((40, 23), 7, 1), ((70, 9), 3, (2, 3)), ((55, 10), 5, (3, 2)),
+                             ((37, 18), (3, 5), 1)]:
+        seen.clear()
+        q, k, v, _ = make_inputs((1,) + spatial + (1, 2))
+        na2d(q, k, v, kernel_size=ks, dilation=dil, backend="torch")
+        if not seen:
+            pytest.skip("the torch reference no longer calls scaled_dot_product_attention")
+        dh, dw = _pair(dil)
+        group = math.ceil(spatial[0] / dh) * math.ceil(spatial[1] / dw)
+        assert max(seen) < group, (spatial, ks, dil, seen, group)
+
+
+def test_na2d_noncontiguous_inputs():
+    """q/k/v as slices of a fused qkv tensor (what the layers pass)."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 11, 9, 3, 2, 4, generator=g, dtype=torch.float64)
+    q, k, v = qkv.unbind(3)
+    assert not q.is_contiguous()
+    rpb = torch.randn(2, 5, 5, generator=g, dtype=torch.float64)
+    out = na2d(q, k, v, kernel_size=3, dilation=(3, 2), rpb=rpb, backend="torch")
+    torch.testing.assert_close(out, brute_na2d(q, k, v, (3, 3), (3, 2), rpb), rtol=1e-10,
+                               atol=1e-10)
+
+
+def test_na2d_default_backend_is_reference_on_cpu():
+    q, k, v, rpb = make_inputs((1, 8, 9, 2, 4), (3, 3))
+    torch.testing.assert_close(na2d(q, k, v, kernel_size=3, rpb=rpb),
+                               na2d(q, k, v, kernel_size=3, rpb=rpb, backend="torch"))
+
+
+def test_na2d_gradcheck_tiny():
+    q, k, v, rpb = make_inputs((1, 5, 6, 1, 2), (3, 3), requires_grad=True)
+    fn = lambda q, k, v, rpb: na2d(q, k, v, kernel_size=3, dilation=(1, 2), rpb=rpb,  # noqa
+                                   backend="torch")
+    assert torch.autograd.gradcheck(fn, (q, k, v, rpb), eps=1e-6, atol=1e-6)
+
+
+# (B, L, heads, D), kernel, dilation, rpb, scale
+CASES_1D = [
+    pytest.param((2, 11, 2, 4), 3, 1, True, None, id="k3d1"),
+    pytest.param((1, 13, 3, 4), 5, 2, True, 0.5, id="k5d2-scale"),
+    pytest.param((1, 12, 1, 4), 3, 4, False, None, id="k3d4-L=K*d"),
+    pytest.param((1, 7, 2, 3), 7, 1, True, None, id="k7-L=K"),
+    pytest.param((1, 40, 2, 4), 7, 1, True, None, id="tiled-k7d1"),
+    pytest.param((1, 71, 1, 4), 5, 3, True, None, id="tiled-k5d3"),
+    pytest.param((2, 19, 2, 4), 7, 1, True, None, id="tiled-k7d1-padded"),
+]
+
+
+@pytest.mark.parametrize("shape,kernel,dilation,use_rpb,scale", CASES_1D)
+def test_na1d_torch_matches_brute_force(shape, kernel, dilation, use_rpb, scale):
+    q, k, v, rpb = make_inputs(shape, kernel if use_rpb else None, requires_grad=True)
+    inputs = [t for t in (q, k, v, rpb) if t is not None]
+    out = na1d(q, k, v, kernel_size=kernel, dilation=dilation, rpb=rpb, scale=scale,
+               backend="torch")
+    expected = brute_na1d(q, k, v, kernel, dilation, rpb, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for g, e in zip(grads_of(out, inputs), grads_of(expected, inputs)):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10)
+
+
+def test_na1d_accepts_tuple_args():
+    q, k, v, _ = make_inputs((1, 9, 1, 4))
+    torch.testing.assert_close(na1d(q, k, v, kernel_size=(3,), dilation=(2,)),
+                               brute_na1d(q, k, v, 3, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# low precision
+# --------------------------------------------------------------------------------------------
+
+# forward atol/rtol, grad atol/rtol (relative to values of O(1))
+_TOL = {
+    torch.float32: (1e-5, 1e-5, 1e-4, 1e-4),
+    torch.float16: (4e-3, 4e-3, 2e-2, 2e-2),
+    torch.bfloat16: (3e-2, 3e-2, 1.5e-1, 5e-2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape,kernel,dilation", [
+    ((1, 11, 13, 2, 8), 5, 2),
+    ((1, 40, 9, 2, 8), 7, (1, 1)),   # tiled along H
+])
+def test_na2d_low_precision_vs_float64(dtype, shape, kernel, dilation):
+    q64, k64, v64, rpb64 = make_inputs(shape, _pair(kernel), seed=5, requires_grad=True)
+    ref = na2d(q64, k64, v64, kernel_size=kernel, dilation=dilation, rpb=rpb64, backend="torch")
+    ref_grads = grads_of(ref, [q64, k64, v64, rpb64])
+
+    low = [t.detach().to(dtype).requires_grad_() for t in (q64, k64, v64)]
+    rpb_low = rpb64.detach().to(dtype).requires_grad_()
+    out = na2d(*low, kernel_size=kernel, dilation=dilation, rpb=rpb_low, backend="torch")
+    assert out.dtype == dtype
+    fa, fr, ga, gr = _TOL[dtype]
+    torch.testing.assert_close(out.double(), ref.detach(), atol=fa, rtol=fr)
+    grads = grads_of(out, low + [rpb_low])
+    for name, g, e in zip("qkvr", grads, ref_grads):
+        assert g.dtype == dtype
+        # rpb grads are sums over many queries: compare relative to their magnitude.
+        scale = max(1.0, e.abs().max().item()) if name == "r" else 1.0
+        torch.testing.assert_close(g.double() / scale, e / scale, atol=ga, rtol=gr,
+                                   msg=lambda m: f"{dtype} grad {name}: {m}")
+
+
+# --------------------------------------------------------------------------------------------
+# natten backend (NATTEN >= 0.20: no rpb; CPU path forward only)
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def natten_fused():
+    natten = pytest.importorskip("natten")
+    nbh._natten.cache_clear()
+    module, api = nbh._natten()
+    if api != "fused":
+        pytest.skip(f"installed NATTEN {getattr(natten, '__version__', '?')} uses the {api!r} API")
+    return natten
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("shape,kernel,dilation,scale", [
+    ((2, 9, 11, 2, 16), 3, 1, None),
+    ((1, 13, 17, 2, 16), 5, 2, None),
+    ((1, 12, 14, 1, 32), (3, 5), (4, 2), 0.3),
+    ((1, 7, 10, 4, 8), 7, 1, None),
+])
+def test_natten_matches_torch_2d(natten_fused, shape, kernel, dilation, scale):
+    q, k, v, _ = make_inputs(shape, dtype=torch.float32, seed=7)
+    with torch.no_grad():
+        got = na2d(q, k, v, kernel_size=kernel, dilation=dilation, scale=scale, backend="natten")
+        ref = na2d(q, k, v, kernel_size=kernel, dilation=dilation, scale=scale, backend="torch")
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("shape,kernel,dilation", [((2, 30, 2, 16), 5, 3), ((1, 19, 1, 8), 7, 1)])
+def test_natten_matches_torch_1d(natten_fused, shape, kernel, dilation):
+    q, k, v, _ = make_inputs(shape, dtype=torch.float32, seed=8)
+    with torch.no_grad():
+        got = na1d(q, k, v, kernel_size=kernel, dilation=dilation, backend="natten")
+        ref = na1d(q, k, v, kernel_size=kernel, dilation=dilation, backend="torch")
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# clear errors
+# --------------------------------------------------------------------------------------------
+
+def _f32(shape=(1, 9, 9, 2, 8)):
+    return make_inputs(shape, dtype=torch.float32)[:3]
+
+
+def test_unknown_backend_name():
+    q, k, v = _f32()
+    with pytest.raises(ValueError, match="unknown backend 'tritonx'") as info:
+        na2d(q, k, v, kernel_size=3, backend="tritonx")
+    for name in ("torch", "natten", "cuda", "auto"):
+        assert name in str(info.value)
+    with pytest.raises(TypeError):
+        na2d(q, k, v, kernel_size=3, backend=1)
+
+
+def test_backend_names_are_case_insensitive():
+    q, k, v = _f32()
+    torch.testing.assert_close(na2d(q, k, v, kernel_size=3, backend=" Torch "),
+                               na2d(q, k, v, kernel_size=3, backend="torch"))
+
+
+def test_natten_rejects_rpb(natten_fused):
+    q, k, v = _f32()
+    rpb = torch.zeros(2, 5, 5)
+    with pytest.raises(BackendUnsupportedError, match="rpb") as info:
+        na2d(q, k, v, kernel_size=3, rpb=rpb, backend="natten")
+    assert "'torch'" in str(info.value)
+    assert isinstance(info.value, ValueError)  # catchable as ValueError too
+
+
+def test_natten_rejects_float64_and_grad_on_cpu(natten_fused):
+    q, k, v, _ = make_inputs((1, 9, 9, 2, 8), dtype=torch.float64)
+    with pytest.raises(BackendUnsupportedError, match="float64") as info:
+        na2d(q, k, v, kernel_size=3, backend="natten")
+    assert "'torch'" in str(info.value)
+    q, k, v = [t.requires_grad_() for t in _f32()]
+    with pytest.raises(BackendUnsupportedError, match="backward") as info:
+        na2d(q, k, v, kernel_size=3, backend="natten")
+    assert "'torch'" in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_natten_no_grad_with_requires_grad_leaves(natten_fused):
+    q, k, v = [t.requires_grad_() for t in _f32()]
+    with torch.no_grad():
+        got = na2d(q, k, v, kernel_size=3, backend="natten")
+        ref = na2d(q, k, v, kernel_size=3, backend="torch")
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_natten_rejects_non_power_of_two_head_dim_on_cpu(natten_fused):
+    q, k, v = _f32((1, 9, 9, 2, 12))
+    with pytest.raises(BackendUnsupportedError, match="power-of-two"):
+        na2d(q, k, v, kernel_size=3, backend="natten")
+
+
+def test_cuda_backend_not_implemented_yet():
+    q, k, v = _f32()
+    with pytest.raises(BackendUnsupportedError, match="not implemented") as info:
+        na2d(q, k, v, kernel_size=3, backend="cuda")
+    assert "'torch'" in str(info.value) and "'auto'" in str(info.value)
+    with attnzoo.use_backend("cuda"), pytest.raises(BackendUnsupportedError):
+        na1d(q[:, 0], k[:, 0], v[:, 0], kernel_size=3)
+
+
+@pytest.fixture
+def natten_missing(monkeypatch):
+    # A None entry in sys.modules makes `import natten` raise ImportError.
+    monkeypatch.setitem(sys.modules, "natten", None)
+    monkeypatch.setitem(sys.modules, "natten.functional", None)
+    nbh._natten.cache_clear()
+    yield
+    nbh._natten.cache_clear()
+
+
+def test_natten_missing_message(natten_missing):
+    q, k, v = _f32()
+    with pytest.raises(BackendUnsupportedError, match="pip install") as info:
+        na2d(q, k, v, kernel_size=3, backend="natten")
+    assert "natten" in str(info.value).lower() and "'torch'" in str(info.value)
+    # auto and torch are unaffected
+    torch.testing.assert_close(na2d(q, k, v, kernel_size=3),
+                               na2d(q, k, v, kernel_size=3, backend="torch"))
+
+
+def test_shape_and_argument_errors():
+    q, k, v = _f32()
+    with pytest.raises(ValueError, match="6-D|5-D"):
+        na2d(q[0], k[0], v[0], kernel_size=3)
+    with pytest.raises(ValueError, match="4-D"):
+        na1d(q, k, v, kernel_size=3)
+    with pytest.raises(ValueError, match="same shape"):
+        na2d(q, k[:, :8], v, kernel_size=3)
+    with pytest.raises(ValueError, match="same shape"):
+        na2d(q, k, v[:, :, :8], kernel_size=3)
+    with pytest.raises(ValueError, match="dtype"):
+        na2d(q, k.double(), v, kernel_size=3)
+    with pytest.raises(TypeError):
+        na2d(q.long(), k.long(), v.long(), kernel_size=3)
+    with pytest.raises(TypeError):
+        na2d(q.numpy(), k, v, kernel_size=3)
+    with pytest.raises(ValueError, match="odd"):
+        na2d(q, k, v, kernel_size=4)
+    with pytest.raises(ValueError, match="odd"):
+        na2d(q, k, v, kernel_size=(3, 2))
+    with pytest.raises(ValueError, match="dilation"):
+        na2d(q, k, v, kernel_size=3, dilation=0)
+    with pytest.raises(ValueError, match="kernel_size.*dilation"):
+        na2d(q, k, v, kernel_size=5, dilation=2)        # 10 > 9
+    with pytest.raises(ValueError, match="kernel_size.*dilation"):
+        na2d(q, k, v, kernel_size=(3, 11))              # 11 > 9 on W only
+    with pytest.raises(ValueError, match="kernel_size.*dilation"):
+        na1d(q[:, 0], k[:, 0], v[:, 0], kernel_size=3, dilation=4)
+    for bad in (3.0, "3", (3, 3, 3), (3,), True, None, (3, 3.0)):
+        with pytest.raises(TypeError, match="kernel_size"):
+            na2d(q, k, v, kernel_size=bad)
+    with pytest.raises(TypeError, match="dilation"):
+        na2d(q, k, v, kernel_size=3, dilation=1.5)
+
+
+def test_rpb_errors():
+    q, k, v = _f32()
+    for bad_shape in [(2, 5), (2, 3, 5), (3, 5, 5), (2, 5, 5, 1), (2, 4, 4)]:
+        with pytest.raises(ValueError, match="rpb"):
+            na2d(q, k, v, kernel_size=3, rpb=torch.zeros(bad_shape))
+    with pytest.raises(ValueError, match="rpb"):
+        na1d(q[:, 0], k[:, 0], v[:, 0], kernel_size=3, rpb=torch.zeros(2, 5, 5))
+    with pytest.raises(TypeError, match="rpb"):
+        na2d(q, k, v, kernel_size=3, rpb=[[0.0]])
+
+
+# --------------------------------------------------------------------------------------------
+# backend selection precedence
+# --------------------------------------------------------------------------------------------
+
+ALL = ("torch", "natten", "cuda")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Make every backend of na1d/na2d supported and record which implementation runs."""
+    calls = []
+
+    def make(name):
+        def impl(q, k, v, kernel_size, dilation, rpb, scale):
+            calls.append(name)
+            return v.clone()
+        return impl
+
+    for name in ALL:
+        monkeypatch.setitem(nbh._IMPLS, name, make(name))
+    support = {name: (lambda call: None) for name in ALL}
+    for op in ("na1d", "na2d"):
+        monkeypatch.setitem(backends._OPS, op, (support, lambda call: ("natten", "torch")))
+    backends._auto_choice.cache_clear()
+    yield calls
+    backends._auto_choice.cache_clear()
+
+
+def _run2d(**kw):
+    q, k, v = _f32()
+    na2d(q, k, v, kernel_size=3, **kw)
+
+
+def test_precedence_chain(spy, monkeypatch):
+    _run2d()
+    assert spy[-1] == "natten"                       # auto (the spy's order)
+    monkeypatch.setenv(backends.ENV_VAR, "torch")
+    _run2d()
+    assert spy[-1] == "torch"                        # env > auto
+    attnzoo.set_backend("cuda")
+    _run2d()
+    assert spy[-1] == "cuda"                         # set_backend > env
+    with attnzoo.use_backend("natten"):
+        _run2d()
+        assert spy[-1] == "natten"                   # context > set_backend
+        _run2d(backend="torch")
+        assert spy[-1] == "torch"                    # explicit > context
+        with attnzoo.use_backend("torch"):
+            _run2d()
+            assert spy[-1] == "torch"
+        _run2d()
+        assert spy[-1] == "natten"                   # nested context restored
+    _run2d()
+    assert spy[-1] == "cuda"                         # outer context restored
+    attnzoo.set_backend(None)
+    _run2d()
+    assert spy[-1] == "torch"                        # cleared -> env again
+    monkeypatch.delenv(backends.ENV_VAR)
+    _run2d()
+    assert spy[-1] == "natten"                       # -> auto
+    _run2d(backend="auto")
+    assert spy[-1] == "natten"
+
+
+def test_context_restored_after_exception(spy):
+    with pytest.raises(RuntimeError):
+        with attnzoo.use_backend("cuda"):
+            raise RuntimeError("boom")
+    _run2d()
+    assert spy[-1] == "natten"
+    assert backends.get_backend() == "auto"
+
+
+def test_explicit_auto_overrides_context(spy):
+    with attnzoo.use_backend("torch"):
+        _run2d(backend="auto")
+    assert spy[-1] == "natten"
+
+
+def test_get_backend_and_resolve_precedence(monkeypatch):
+    call = nbh.NACall(2, "cpu", torch.float32, 32, False, False)
+    assert backends.get_backend() == "auto"
+    assert backends.resolve("na2d", call) == "torch"          # auto on CPU -> torch
+    monkeypatch.setenv(backends.ENV_VAR, "cuda")
+    assert backends.get_backend() == "cuda"
+    attnzoo.set_backend("torch")
+    assert backends.get_backend() == "torch"
+    with attnzoo.use_backend("natten"):
+        assert backends.get_backend() == "natten"
+        assert backends.get_backend("cuda") == "cuda"
+        with attnzoo.use_backend("auto"):
+            assert backends.get_backend() == "auto"
+            assert backends.resolve("na2d", call) == "torch"
+        assert backends.get_backend() == "natten"
+    assert backends.get_backend() == "torch"
+    assert backends.resolve("na2d", call) == "torch"
+    attnzoo.set_backend(None)
+    assert backends.get_backend() == "cuda"
+    with pytest.raises(BackendUnsupportedError, match="not implemented"):
+        backends.resolve("na2d", call)                        # env asks for cuda explicitly
+
+
+def test_auto_on_cpu_picks_torch_even_with_natten():
+    pytest.importorskip("natten")
+    for call in [nbh.NACall(2, "cpu", torch.float32, 32, False, False),
+                 nbh.NACall(2, "cpu", torch.float16, 64, False, False),
+                 nbh.NACall(1, "cpu", torch.float32, 32, True, True)]:
+        assert backends.resolve(f"na{call.ndim}d", call) == "torch"
+
+
+def test_auto_on_cuda_prefers_natten_without_rpb(natten_fused):
+    no_rpb = nbh.NACall(2, "cuda", torch.float16, 32, False, True)
+    with_rpb = nbh.NACall(2, "cuda", torch.float16, 32, True, True)
+    assert backends.resolve("na2d", no_rpb) == "natten"   # 'cuda' slot is not implemented yet
+    assert backends.resolve("na2d", with_rpb) == "torch"
+
+
+def test_invalid_names_fail_fast(monkeypatch):
+    with pytest.raises(ValueError, match="accepted"):
+        attnzoo.set_backend("fast")
+    with pytest.raises(TypeError):
+        attnzoo.set_backend(3)
+    with pytest.raises(ValueError, match="accepted"):
+        with attnzoo.use_backend("gpu"):
+            pass
+    assert backends.get_backend() == "auto"
+    monkeypatch.setenv(backends.ENV_VAR, "gpu")
+    q, k, v = _f32()
+    with pytest.raises(ValueError, match=backends.ENV_VAR) as info:
+        na2d(q, k, v, kernel_size=3)
+    assert "torch" in str(info.value) and "'gpu'" in str(info.value)
+    # an explicit argument does not read the (bad) env var
+    na2d(q, k, v, kernel_size=3, backend="torch")
+    monkeypatch.setenv(backends.ENV_VAR, "")          # empty = unset
+    na2d(q, k, v, kernel_size=3)
+
+
+# --------------------------------------------------------------------------------------------
+# legacy NATTEN (<= 0.17.5) API through a fake module
+# --------------------------------------------------------------------------------------------
+
+def _fake_legacy_natten():
+    """A stand-in for NATTEN 0.17: na{1,2}d_qk / na{1,2}d_av on heads-first tensors, computed
+    from the brute-force windows. Like NATTEN 0.17 it does not scale q, adds the bias unscaled,
+    orders the K*K neighbours row-major, and casts the bias to the key's dtype."""
+    calls = []
+
+    def axis_tables(L, K, d):
+        idx = torch.tensor([window(L, K, d, i) for i in range(L)])            # [L, K]
+        rel = (idx - torch.arange(L).unsqueeze(1)) // d + K - 1             # [L, K]
+        return idx, rel
+
+    def as_tuple(x, n):
+        return (x,) * n if isinstance(x, int) else tuple(x)
+
+    def na2d_qk(query, key, kernel_size, dilation=1, additional_keys=None, is_causal=False,
+                rpb=None):
+        calls.append("na2d_qk")
+        B, heads, H, W, D = query.shape
+        assert key.shape == query.shape and additional_keys is None and not is_causal
+        (KH, KW), (dh, dw) = as_tuple(kernel_size, 2), as_tuple(dilation, 2)
+        iy, ry = axis_tables(H, KH, dh)
+        ix, rx = axis_tables(W, KW, dw)
+        # neighbour n = a * KW + b of query (y, x) is key (iy[y, a], ix[x, b])
+        Y = iy[:, None, :, None].expand(H, W, KH, KW).reshape(H, W, KH * KW)
+        X = ix[None, :, None, :].expand(H, W, KH, KW).reshape(H, W, KH * KW)
+        keys = key[:, :, Y, X]                                                 # [B,h,H,W,KK,D]
+        attn = torch.einsum("bhyxd,bhyxnd->bhyxn", query, keys)
+        if rpb is not None:
+            assert rpb.shape == (heads, 2 * KH - 1, 2 * KW - 1), "rpb must be [heads, 2K-1, 2K-1]"
+            RY = ry[:, None, :, None].expand(H, W, KH, KW).reshape(H, W, KH * KW)
+            RX = rx[None, :, None, :].expand(H, W, KH, KW).reshape(H, W, KH * KW)
+            attn = attn + rpb.to(key.dtype)[:, RY, RX].unsqueeze(0)
+        return attn
+
+    def na2d_av(attn, value, kernel_size, dilation=1, additional_values=None, is_causal=False):
+        calls.append("na2d_av")
+        B, heads, H, W, E = value.shape
+        (KH, KW), (dh, dw) = as_tuple(kernel_size, 2), as_tuple(dilation, 2)
+        assert attn.shape == (B, heads, H, W, KH * KW)
+        iy, _ = axis_tables(H, KH, dh)
+        ix, _ = axis_tables(W, KW, dw)
+        Y = iy[:, None, :, None].expand(H, W, KH, KW).reshape(H, W, KH * KW)
+        X = ix[None, :, None, :].expand(H, W, KH, KW).reshape(H, W, KH * KW)
+        return torch.einsum("bhyxn,bhyxne->bhyxe", attn.to(value.dtype), value[:, :, Y, X])
+
+    def na1d_qk(query, key, kernel_size, dilation=1, additional_keys=None, is_causal=False,
+                rpb=None):
+        calls.append("na1d_qk")
+        B, heads, L, D = query.shape
+        K, d = as_tuple(kernel_size, 1)[0], as_tuple(dilation, 1)[0]
+        idx, rel = axis_tables(L, K, d)
+        attn = torch.einsum("bhld,bhlnd->bhln", query, key[:, :, idx])
+        if rpb is not None:
+            assert rpb.shape == (heads, 2 * K - 1)
+            attn = attn + rpb.to(key.dtype)[:, rel].unsqueeze(0)
+        return attn
+
+    def na1d_av(attn, value, kernel_size, dilation=1, additional_values=None, is_causal=False):
+        calls.append("na1d_av")
+        L = value.shape[2]
+        K, d = as_tuple(kernel_size, 1)[0], as_tuple(dilation, 1)[0]
+        idx, _ = axis_tables(L, K, d)
+        return torch.einsum("bhln,bhlne->bhle", attn.to(value.dtype), value[:, :, idx])
+
+    functional = types.ModuleType("natten.functional")
+    for fn in (na2d_qk, na2d_av, na1d_qk, na1d_av):
+        setattr(functional, fn.__name__, fn)
+    natten = types.ModuleType("natten")
+    natten.__version__ = "0.17.5"
+    natten.functional = functional
+    return natten, functional, calls
+
+
+@pytest.fixture
+def legacy_natten(monkeypatch):
+    natten, functional, calls = _fake_legacy_natten()
+    monkeypatch.setitem(sys.modules, "natten", natten)
+    monkeypatch.setitem(sys.modules, "natten.functional", functional)
+    nbh._natten.cache_clear()
+    backends._auto_choice.cache_clear()
+    assert nbh._natten()[1] == "legacy"
+    yield calls
+    nbh._natten.cache_clear()
+    backends._auto_choice.cache_clear()
+
+
+@pytest.mark.parametrize("shape,kernel,dilation,scale", [
+    ((2, 9, 11, 3, 4), 3, (2, 1), None),
+    ((1, 13, 10, 2, 5), (5, 3), (2, 3), 0.3),
+])
+def test_legacy_natten_api_with_rpb(legacy_natten, shape, kernel, dilation, scale):
+    ks = _pair(kernel)
+    q, k, v, rpb = make_inputs(shape, ks, requires_grad=True)
+    got = na2d(q, k, v, kernel_size=kernel, dilation=dilation, rpb=rpb, scale=scale,
+               backend="natten")
+    assert legacy_natten == ["na2d_qk", "na2d_av"]
+    ref = na2d(q, k, v, kernel_size=kernel, dilation=dilation, rpb=rpb, scale=scale,
+               backend="torch")
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    # the fake is differentiable, so the layout transposes must carry gradients correctly too
+    for g, e in zip(grads_of(got, [q, k, v, rpb]), grads_of(ref, [q, k, v, rpb])):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10)
+
+
+def test_legacy_natten_without_rpb_and_1d(legacy_natten):
+    q, k, v, _ = make_inputs((1, 10, 12, 2, 4))
+    torch.testing.assert_close(na2d(q, k, v, kernel_size=5, dilation=2, backend="natten"),
+                               brute_na2d(q, k, v, (5, 5), (2, 2)))
+    q, k, v, rpb = make_inputs((2, 17, 3, 4), 5)
+    torch.testing.assert_close(
+        na1d(q, k, v, kernel_size=5, dilation=3, rpb=rpb, scale=0.4, backend="natten"),
+        brute_na1d(q, k, v, 5, 3, rpb, 0.4))
+    assert legacy_natten == ["na2d_qk", "na2d_av", "na1d_qk", "na1d_av"]
+
+
+def test_legacy_natten_auto_on_cpu_still_torch(legacy_natten):
+    q, k, v, rpb = make_inputs((1, 9, 9, 2, 4), (3, 3))
+    na2d(q, k, v, kernel_size=3, rpb=rpb)
+    assert legacy_natten == []
