@@ -1,12 +1,14 @@
 """Model size and cost accounting: parameters, fvcore-style MACs, the list of attnzoo models."""
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from typing import List, Sequence
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from . import backends
 from .ops import neighborhood
 
 __all__ = ["count_params", "count_macs", "list_attnzoo_models"]
@@ -19,20 +21,30 @@ def count_params(model: torch.nn.Module) -> int:
 def count_macs(model: torch.nn.Module, input_size: Sequence[int]) -> int:
     """Multiply-accumulates of one forward pass, counted like fvcore (the papers' convention):
     convolutions and matmuls, with each neighborhood attention counted as QK plus AV,
-    ``B * heads * tokens * head_dim * kernel_area`` each, whichever backend runs it (the dense
-    or tiled torch reference computes more than that)."""
+    ``B * heads * tokens * head_dim * kernel_area`` each, whatever its backend actually computes
+    (the tiled torch reference does more, NATTEN's CPU path far more)."""
     na_macs: List[int] = []
+    inside_na: List[int] = []
     param = next(model.parameters())
     x = torch.randn(*input_size, device=param.device, dtype=param.dtype)
-    neighborhood.MAC_COUNTERS.append(na_macs.append)
+    counter = FlopCounterMode(display=False)
+
+    @contextlib.contextmanager
+    def on_na(macs: int):
+        before = counter.get_total_flops()
+        yield
+        inside_na.append(counter.get_total_flops() - before)
+        na_macs.append(macs)
+
+    neighborhood.MAC_COUNTERS.append(on_na)
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        # The torch reference runs anywhere, the meta device included (NATTEN's Flex path cannot
+        # run under a FlopCounterMode); the count does not depend on the backend.
+        with torch.no_grad(), backends.use_backend("torch"), counter:
             model(x)
     finally:
-        neighborhood.MAC_COUNTERS.remove(na_macs.append)
-    flops = sum(v for op, v in counter.get_flop_counts()["Global"].items()
-                if "scaled_dot_product" not in str(op))
-    return flops // 2 + sum(na_macs)
+        neighborhood.MAC_COUNTERS.remove(on_na)
+    return (counter.get_total_flops() - sum(inside_na)) // 2 + sum(na_macs)
 
 
 def list_attnzoo_models(filter: str = "", pretrained: bool = False) -> List[str]:

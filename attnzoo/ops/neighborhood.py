@@ -19,9 +19,10 @@ dense masked attention. The index tables depend only on the shape and are cached
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, ContextManager, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -350,23 +351,26 @@ for _n in (1, 2):
 # public ops
 # --------------------------------------------------------------------------------------------
 
-# Callbacks given each NA call's multiply-accumulates (see attnzoo.profiling.count_macs).
-MAC_COUNTERS: List[Callable[[int], None]] = []
+# Context-manager factories entered around every NA call with its multiply-accumulates
+# (see attnzoo.profiling.count_macs); empty outside profiling.
+MAC_COUNTERS: List[Callable[[int], ContextManager]] = []
 
 
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
     ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, n)
-    if MAC_COUNTERS:
-        macs = 2 * q.shape[:-1].numel() * q.shape[-1] * math.prod(ks)  # QK and AV
-        for counter in MAC_COUNTERS:
-            counter(macs)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, rpb))
     call = NACall(n, q.device.type, q.dtype, q.shape[-1], rpb is not None, grad)
-    chosen = backends.resolve(f"na{n}d", call, backend)
-    return _IMPLS[chosen](q, k, v, ks, dil, rpb, scale)
+    impl = _IMPLS[backends.resolve(f"na{n}d", call, backend)]
+    if not MAC_COUNTERS:
+        return impl(q, k, v, ks, dil, rpb, scale)
+    macs = 2 * q.shape[:-1].numel() * q.shape[-1] * math.prod(ks)  # QK and AV
+    with contextlib.ExitStack() as stack:
+        for counter in MAC_COUNTERS:
+            stack.enter_context(counter(macs))
+        return impl(q, k, v, ks, dil, rpb, scale)
 
 
 def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntOrTuple,
