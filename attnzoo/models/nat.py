@@ -32,7 +32,6 @@ Input sizes: any ``H, W >= 1``. Each stride-2 conv gives ``ceil(H / 2)``, so lev
 zero-pads its normalised input right/bottom up to that size and crops the result (the official
 runtime's rule), so official weights give official outputs at every size.
 """
-from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -252,7 +251,8 @@ class NAT(nn.Module):
         super().__init__()
         num_levels = len(depths)
         if len(num_heads) != num_levels:
-            raise ValueError(f"num_heads needs one entry per level ({num_levels}), got {num_heads!r}")
+            raise ValueError(
+                f"num_heads needs one entry per level ({num_levels}), got {num_heads!r}")
         kernel_sizes = _per_level(kernel_size, num_levels, "kernel_size")
         dilations = _per_level(1 if dilations is None else dilations, num_levels, "dilations")
         for i, (d, depth) in enumerate(zip(dilations, depths)):
@@ -341,6 +341,9 @@ class NAT(nn.Module):
         self.head_hidden_size = self.num_features * self.global_pool.feat_mult()
         self.head = nn.Linear(self.head_hidden_size, num_classes, **dd) \
             if num_classes > 0 else nn.Identity()
+        # new modules start in train mode: keep the model's mode
+        self.global_pool.train(self.training)
+        self.head.train(self.training)
 
     def forward_intermediates(
             self,

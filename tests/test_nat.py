@@ -1,0 +1,476 @@
+"""NAT / DiNAT: configs, shapes, the small-input padding rule, timm's model contract,
+checkpoint conversion and the offline pretrained path. Big models are built on 'meta'."""
+import copy
+import functools
+import json
+import math
+import re
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import attnzoo
+from attnzoo.layers import NeighborhoodAttention2d
+from attnzoo.models.nat import NAT, checkpoint_filter_fn
+from hub_cache import offline_hf_cache, write_hf_cache
+
+
+def _count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@functools.lru_cache(maxsize=None)
+def _meta(name):
+    """Registered model on the meta device (no memory, no init cost); shared, do not mutate."""
+    return timm.create_model(name, device='meta')
+
+
+def _tiny(**kwargs):
+    """A small DiNAT-style model with padding at most levels for 32-64 px inputs."""
+    cfg = dict(embed_dim=16, depths=(1, 2, 2, 1), num_heads=(1, 2, 2, 4), mlp_ratio=2.,
+               dilations=((2,), (1, 2), (2, 1), (1,)), kernel_size=3, num_classes=7,
+               drop_path_rate=0.)
+    cfg.update(kwargs)
+    torch.manual_seed(0)
+    return NAT(**cfg).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+# ----------------------------------------------------------------------------------------------
+
+# Params in M as in the spec table, with its precision (decimals). Where the table is silent:
+# dinat_small has no layer scale (spec), so it lacks NAT-Small's 2 * dim gammas per block:
+# 50.743297M - 2 * (3*96 + 4*192 + 18*384 + 5*768) = 50.719681M -> 50.72 (derived).
+# dinat_large_384 only changes dilations (no params): as dinat_large. dinat_large_11x11_384 is
+# checked below against dinat_large plus its bigger rpb tables (derived, not in the table).
+EXPECTED_PARAMS = {
+    'nat_mini': (19.98, 2), 'nat_tiny': (27.90, 2), 'nat_small': (50.74, 2),
+    'nat_base': (89.77, 2),
+    'dinat_mini': (19.98, 2), 'dinat_tiny': (27.90, 2), 'dinat_small': (50.72, 2),
+    'dinat_base': (89.77, 2),
+    'dinat_large': (200.9, 1), 'dinat_large_384': (200.9, 1), 'dinat_large_11x11_384': None,
+}
+
+
+def test_every_registered_variant_has_an_expected_count():
+    assert set(timm.list_models(module='nat')) == set(EXPECTED_PARAMS)
+
+
+@pytest.mark.parametrize('name', sorted(k for k, v in EXPECTED_PARAMS.items() if v))
+def test_param_counts(name):
+    expected, decimals = EXPECTED_PARAMS[name]
+    model = _meta(name)
+    assert round(_count(model) / 1e6, decimals) == expected
+
+
+def test_param_count_11x11():
+    large = _meta('dinat_large')
+    big = _meta('dinat_large_11x11_384')
+    depths, heads = (3, 4, 18, 5), (6, 12, 24, 48)
+    extra = sum(d * h for d, h in zip(depths, heads)) * ((2 * 11 - 1) ** 2 - (2 * 7 - 1) ** 2)
+    assert _count(big) - _count(large) == extra
+    assert big.levels[0].blocks[0].attn.rpb.shape == (6, 21, 21)
+
+
+def test_variant_configs():
+    dinat = _meta('dinat_tiny')
+    dil = [[b.attn.dilation for b in lvl.blocks] for lvl in dinat.levels]
+    assert dil == [[1, 8, 1], [1, 4, 1, 4], [1, 2] * 9, [1] * 5]
+    mini = _meta('dinat_mini')
+    assert [[b.attn.dilation for b in lvl.blocks] for lvl in mini.levels] == [
+        [1, 8, 1], [1, 4, 1, 4], [1, 2, 1, 2, 1, 2], [1] * 5]
+    d384 = _meta('dinat_large_384')
+    assert [[b.attn.dilation for b in lvl.blocks] for lvl in d384.levels] == [
+        [1, 13, 1], [1, 6, 1, 6], [1, 3] * 9, [1] * 5]
+    assert all(b.attn.kernel_size == 11 for lvl in _meta('dinat_large_11x11_384').levels
+               for b in lvl.blocks)
+    # layer scale: NAT-Small/Base and DiNAT-Base, not DiNAT-Small
+    for name, has in (('nat_small', True), ('nat_base', True), ('dinat_small', False),
+                      ('dinat_base', True), ('nat_mini', False), ('dinat_large', False)):
+        block = _meta(name).levels[0].blocks[0]
+        assert (block.gamma1 is not None) == has, name
+    cfg = timm.get_pretrained_cfg('nat_mini.in1k').to_dict()
+    assert cfg['hf_hub_id'] == 'shi-labs/nat-mini-in1k-224'
+    assert cfg['interpolation'] == 'bicubic' and cfg['crop_pct'] == 0.875
+    assert timm.get_pretrained_cfg('dinat_large_384.in22k_ft_in1k').input_size == (3, 384, 384)
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes, padding rule, errors
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def dinat_mini():
+    torch.manual_seed(0)
+    return timm.create_model('dinat_mini', num_classes=11).eval()
+
+
+def _level_sizes(h, w):
+    h, w = math.ceil(math.ceil(h / 2) / 2), math.ceil(math.ceil(w / 2) / 2)
+    sizes = [(h, w)]
+    for _ in range(3):
+        h, w = math.ceil(h / 2), math.ceil(w / 2)
+        sizes.append((h, w))
+    return sizes
+
+
+@pytest.mark.parametrize('size', [(32, 32), (33, 33), (57, 57), (224, 224), (33, 57), (40, 96)])
+def test_output_shapes(dinat_mini, size):
+    x = torch.randn(2, 3, *size)
+    with torch.no_grad():
+        feats = dinat_mini.forward_features(x)
+        logits = dinat_mini.forward_head(feats)
+        inter = dinat_mini.forward_intermediates(x, intermediates_only=True)
+    sizes = _level_sizes(*size)
+    assert feats.shape == (2, *sizes[-1], 512)  # NHWC, unpooled
+    assert logits.shape == (2, 11) and torch.isfinite(logits).all()
+    assert [tuple(t.shape) for t in inter] == [
+        (2, 64 * 2 ** i, *hw) for i, hw in enumerate(sizes)]
+
+
+def _na_bruteforce(q, k, v, K, d, rpb, scale):
+    """Spec's NA, one query at a time: clamped windows per dilation group, rpb by offset."""
+    B, H, W, heads, _ = q.shape
+    r = K // 2
+
+    def window(i, L):
+        g, ip = i % d, i // d
+        lg = math.ceil((L - g) / d)
+        start = min(max(ip - r, 0), lg - K)
+        return [(start + t) * d + g for t in range(K)]
+
+    out = torch.empty_like(v)
+    for y in range(H):
+        for x in range(W):
+            ys, xs = window(y, H), window(x, W)
+            keys = [(ky, kx) for ky in ys for kx in xs]
+            kk = torch.stack([k[:, ky, kx] for ky, kx in keys], 1)  # B, K*K, heads, dh
+            vv = torch.stack([v[:, ky, kx] for ky, kx in keys], 1)
+            logits = torch.einsum('bhd,bnhd->bhn', q[:, y, x] * scale, kk)
+            bias = torch.stack([rpb[:, (ky - y) // d + K - 1, (kx - x) // d + K - 1]
+                                for ky, kx in keys], -1)
+            attn = (logits + bias).softmax(-1)
+            out[:, y, x] = torch.einsum('bhn,bnhd->bhd', attn, vv)
+    return out
+
+
+@pytest.mark.parametrize('hw,K,d', [((5, 4), 3, 2), ((2, 9), 3, 1), ((7, 5), 3, 3)])
+def test_small_input_padding_matches_reference(hw, K, d):
+    torch.manual_seed(0)
+    dim, heads = 8, 2
+    attn = NeighborhoodAttention2d(dim, heads, kernel_size=K, dilation=d).eval()
+    with torch.no_grad():
+        attn.qkv.bias.normal_()  # padded tokens' k / v are the bias: make it matter
+        attn.rpb.normal_()
+        x = torch.randn(2, *hw, dim)
+        out = attn(x)
+        # reference: zero-pad the input right/bottom to K*d, qkv, NA, crop, proj
+        ph, pw = max(K * d - hw[0], 0), max(K * d - hw[1], 0)
+        assert ph or pw
+        xp = F.pad(x, (0, 0, 0, pw, 0, ph))
+        q, k, v = attn.qkv(xp).reshape(*xp.shape[:3], 3, heads, dim // heads).unbind(3)
+        ref = _na_bruteforce(q, k, v, K, d, attn.rpb, (dim // heads) ** -0.5)
+        ref = attn.proj(ref.flatten(-2)[:, :hw[0], :hw[1]])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_model_pads_small_levels():
+    # at 32 px, level 0 is 8x8 while one of its blocks has K*d = 3*2 = 6 <= 8 and level 3
+    # (1x1) is padded to 3x3: the model runs and the output depends on every input pixel
+    model = _tiny()
+    x = torch.randn(1, 3, 32, 32, requires_grad=True)
+    model(x).sum().backward()
+    assert (x.grad != 0).float().mean() > 0.9
+
+
+def test_errors():
+    model = _tiny()
+    with pytest.raises(ValueError, match='in_chans=3.*1 channels'):
+        model(torch.randn(1, 1, 32, 32))
+    with pytest.raises(ValueError, match='4-D'):
+        model(torch.randn(3, 32, 32))
+    with pytest.raises(TypeError):
+        timm.create_model('nat_mini', device='meta', not_a_model_arg=1)
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        timm.create_model('nat_mini', device='meta', backend='bogus')
+    with pytest.raises(ValueError, match='attn_drop'):
+        timm.create_model('nat_mini', device='meta', attn_drop_rate=0.1)
+    # an explicitly requested backend that cannot run the call is an error, never a fallback
+    model = _tiny(backend='cuda')
+    with pytest.raises(attnzoo.BackendUnsupportedError):
+        model(torch.randn(1, 3, 32, 32))
+
+
+def test_in_chans_and_meta_dtype():
+    model = _tiny(in_chans=1)
+    assert model(torch.randn(1, 1, 40, 33)).shape == (1, 7)
+    meta = timm.create_model('nat_small', device='meta', dtype=torch.bfloat16)
+    assert all(p.device.type == 'meta' and p.dtype == torch.bfloat16 for p in meta.parameters())
+    out = meta(torch.randn(1, 3, 64, 64, device='meta', dtype=torch.bfloat16))
+    assert out.shape == (1, 1000) and out.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# timm contract
+# ----------------------------------------------------------------------------------------------
+
+def test_head_contract():
+    model = _tiny()
+    x = torch.randn(2, 3, 48, 40)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        pre = model.forward_head(feats, pre_logits=True)
+        torch.testing.assert_close(pre, feats.mean((1, 2)))  # official head: mean over H, W
+        torch.testing.assert_close(model(x), model.head(pre))
+        torch.testing.assert_close(model(x.contiguous(memory_format=torch.channels_last)),
+                                   model(x))
+        assert model.get_classifier() is model.head
+        model.reset_classifier(0)
+        assert model(x).shape == (2, model.num_features) == (2, model.head_hidden_size)
+        model.reset_classifier(3, '')
+        assert model(x).shape == (2, *feats.shape[1:3], 3)
+        model.reset_classifier(0, 'catavgmax')
+        assert model(x).shape == (2, 2 * model.num_features)
+    assert {'levels.0.blocks.0.attn.rpb'} <= model.no_weight_decay()
+    assert all(n.endswith('.rpb') for n in model.no_weight_decay())
+    from timm.models._manipulate import group_parameters
+    groups = group_parameters(model, model.group_matcher(), reverse=True)
+    order = ['patch_embed.proj.0.weight', 'levels.0.blocks.0.attn.qkv.weight',
+             'levels.0.downsample.reduction.weight', 'levels.1.blocks.0.norm1.weight',
+             'norm.weight']
+    assert [groups[n] for n in order] == sorted(set(groups[n] for n in order))
+
+
+def test_features_only():
+    torch.manual_seed(0)
+    model = timm.create_model('dinat_mini', features_only=True, out_indices=(1, 3)).eval()
+    assert model.feature_info.channels() == [128, 512]
+    assert model.feature_info.reduction() == [8, 32]
+    outs = model(torch.randn(2, 3, 64, 96))
+    assert [tuple(o.shape) for o in outs] == [(2, 128, 8, 12), (2, 512, 2, 3)]
+    full = timm.create_model('nat_mini', features_only=True, device='meta')
+    assert full.feature_info.channels() == [64, 128, 256, 512]
+    assert full.feature_info.reduction() == [4, 8, 16, 32]
+
+
+def test_forward_intermediates_and_prune():
+    model = _tiny()
+    x = torch.randn(2, 3, 64, 48)
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(x)
+        torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
+        nhwc = model.forward_intermediates(x, output_fmt='NHWC', intermediates_only=True)
+        for a, b in zip(inter, nhwc):
+            torch.testing.assert_close(a, b.permute(0, 3, 1, 2))
+        normed = model.forward_intermediates(x, indices=1, norm=True, intermediates_only=True)
+        torch.testing.assert_close(normed[0], model.forward_features(x).permute(0, 3, 1, 2))
+        for i in range(4):
+            early = model.forward_intermediates(x, indices=[i], stop_early=True,
+                                                intermediates_only=True)
+            torch.testing.assert_close(early[0], inter[i], rtol=0, atol=0)
+            pruned = copy.deepcopy(model)
+            take = pruned.prune_intermediate_layers([i], prune_norm=True)
+            torch.testing.assert_close(
+                pruned.forward_features(x).permute(0, 3, 1, 2), inter[i], rtol=0, atol=0)
+            assert pruned(x).shape == inter[i].permute(0, 2, 3, 1).shape  # head and pool gone
+            pruned.reset_classifier(0, 'avg')
+            assert pruned(x).shape == (2, model.feature_info[i]['num_chs'])
+            assert pruned.forward_intermediates(x, indices=take, intermediates_only=True)[0].shape \
+                == inter[i].shape
+        pruned = copy.deepcopy(model)
+        pruned.prune_intermediate_layers([3], prune_head=False)
+        torch.testing.assert_close(pruned(x), model(x), rtol=0, atol=0)
+
+
+def test_grad_checkpointing_same_output():
+    model = _tiny().train()  # drop_path 0: train mode is deterministic
+    x = torch.randn(2, 3, 40, 40)
+    out = model(x)
+    out.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    out2 = model(x)
+    out2.square().mean().backward()
+    torch.testing.assert_close(out2, out)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_torchscript_and_fx():
+    from timm.layers import get_notrace_functions, get_notrace_modules
+    from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
+
+    model = _tiny()
+    x = torch.randn(1, 3, 40, 56)
+    with torch.no_grad():
+        ref = model(x)
+        scripted = torch.jit.script(model)
+        torch.testing.assert_close(scripted(x), ref)
+        # the scripted model still reads the context-variable backend switch at run time
+        with attnzoo.use_backend('cuda'), pytest.raises(Exception, match='cuda'):
+            scripted(x)
+        # as timm's test_model_forward_fx traces
+        kw = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(),
+                  param_shapes_constant=True)
+        train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=kw)
+        fx = create_feature_extractor(model, train_return_nodes=[train_nodes[-1]],
+                                      eval_return_nodes=[eval_nodes[-1]], tracer_kwargs=kw)
+        torch.testing.assert_close(next(iter(fx(x).values())), ref)
+        # FX leaves: the shape-dependent helpers are calls in the graph, not traced through
+        names = {str(n.target) for n in fx.graph.nodes if n.op == 'call_function'}
+        assert any('na2d_dispatch' in n for n in names)
+        assert any('pad_to_window' in n for n in names)
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def to_transformers_layout(state_dict, prefix='nat.'):
+    """Inverse of the spec's key map: official NAT keys -> transformers' Nat/Dinat layout."""
+    out = {}
+    for k, v in state_dict.items():
+        m = re.match(r'levels\.(\d+)\.blocks\.(\d+)\.(.+)$', k)
+        if m:
+            i, j, name = m.groups()
+            base = f'{prefix}encoder.levels.{i}.layers.{j}.'
+            if name.startswith('attn.qkv.'):
+                param = name[len('attn.qkv.'):]
+                for part, t in zip(('query', 'key', 'value'), v.chunk(3, dim=0)):
+                    out[f'{base}attention.self.{part}.{param}'] = t.clone()
+                continue
+            if name == 'gamma1':
+                out[base + 'layer_scale_parameters'] = torch.stack(
+                    [v, state_dict[k[:-1] + '2']])
+                continue
+            if name == 'gamma2':
+                continue
+            for src, dst in (('norm1.', 'layernorm_before.'), ('norm2.', 'layernorm_after.'),
+                             ('attn.rpb', 'attention.self.rpb'),
+                             ('attn.proj.', 'attention.output.dense.'),
+                             ('mlp.fc1.', 'intermediate.dense.'), ('mlp.fc2.', 'output.dense.')):
+                if name.startswith(src):
+                    out[base + dst + name[len(src):]] = v
+                    break
+            else:
+                raise AssertionError(k)
+            continue
+        for src, dst in (('patch_embed.proj.', 'embeddings.patch_embeddings.projection.'),
+                         ('patch_embed.norm.', 'embeddings.norm.'),
+                         ('levels.', 'encoder.levels.'), ('norm.', 'layernorm.')):
+            if k.startswith(src):
+                out[prefix + dst + k[len(src):]] = v
+                break
+        else:
+            assert k.startswith('head.'), k
+            out['classifier.' + k[len('head.'):]] = v
+    return out
+
+
+def _assert_same_state(a, b):
+    assert list(a) == list(b) or set(a) == set(b)
+    for k in b:
+        assert a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize('prefix', ['nat.', 'dinat.'])
+def test_filter_transformers_layout_round_trip(prefix):
+    model = _tiny(layer_scale=0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()  # every value distinct: a swapped q/k/v or gamma would show
+    sd = model.state_dict()
+    hf = to_transformers_layout(sd, prefix)
+    assert not any(k.startswith(('levels.', 'head.')) for k in hf)
+    assert f'{prefix}encoder.levels.0.layers.0.layer_scale_parameters' in hf
+    _assert_same_state(checkpoint_filter_fn(hf, model), sd)
+    fresh = _tiny(layer_scale=0.5)
+    fresh.load_state_dict(checkpoint_filter_fn(hf, fresh))
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+
+
+def test_filter_official_layout_and_wrappers():
+    model = _tiny(layer_scale=1e-5)
+    sd = model.state_dict()
+    for wrapped in (sd, {'state_dict': sd}, {'model': sd},
+                    {'model': {'module.' + k: v for k, v in sd.items()}},
+                    {'module.' + k: v for k, v in sd.items()}):
+        _assert_same_state(checkpoint_filter_fn(dict(wrapped), model), sd)
+
+
+def test_filter_reports_mismatches():
+    model = _tiny()
+    sd = model.state_dict()
+    bad = dict(sd)
+    bad['levels.0.blocks.0.attn.bogus'] = torch.zeros(1)
+    del bad['levels.1.blocks.1.mlp.fc2.bias']
+    bad['levels.2.blocks.0.attn.rpb'] = torch.zeros(2, 7, 7)
+    with pytest.raises(ValueError) as info:
+        checkpoint_filter_fn(bad, model)
+    msg = str(info.value)
+    for text in ('levels.0.blocks.0.attn.bogus', 'levels.1.blocks.1.mlp.fc2.bias',
+                 'levels.2.blocks.0.attn.rpb: checkpoint (2, 7, 7) vs model (2, 5, 5)'):
+        assert text in msg
+    # a NAT checkpoint into a DiNAT-Small-like model with layer scale: gammas missing
+    with pytest.raises(ValueError, match='gamma1'):
+        checkpoint_filter_fn(sd, _tiny(layer_scale=1e-5))
+    # transformers layout with a lost projection
+    hf = to_transformers_layout(sd)
+    del hf['nat.encoder.levels.0.layers.0.attention.self.key.weight']
+    with pytest.raises(ValueError, match='key'):
+        checkpoint_filter_fn(hf, model)
+    # the classifier and the stem's input channels are left for timm to adapt
+    sd5 = dict(sd, **{'head.weight': torch.zeros(5, 128), 'head.bias': torch.zeros(5)})
+    sd5['patch_embed.proj.0.weight'] = torch.zeros(8, 1, 3, 3)
+    checkpoint_filter_fn(sd5, model)
+
+
+@pytest.fixture
+def hf_cache(tmp_path):
+    with offline_hf_cache(tmp_path / 'hub') as cache_dir:
+        yield cache_dir
+
+
+def test_pretrained_from_offline_hub_cache(hf_cache, tmp_path):
+    torch.manual_seed(123)
+    source = timm.create_model('nat_mini').eval()
+    weights = tmp_path / 'pytorch_model.bin'
+    torch.save(to_transformers_layout(source.state_dict()), weights)
+    config = json.dumps({'model_type': 'nat', 'embed_dim': 64, 'depths': [3, 4, 6, 5]}).encode()
+    write_hf_cache(hf_cache, 'shi-labs/nat-mini-in1k-224',
+                   {'pytorch_model.bin': weights, 'config.json': config}, link=True)
+
+    model = timm.create_model('nat_mini.in1k', pretrained=True).eval()
+    x = torch.randn(2, 3, 64, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
+    # as timm's test_model_load_pretrained / test_model_features_pretrained
+    adapted = timm.create_model('nat_mini.in1k', pretrained=True, in_chans=1, num_classes=5)
+    assert adapted(torch.randn(1, 1, 32, 32)).shape == (1, 5)
+    torch.testing.assert_close(adapted.levels[2].blocks[0].attn.rpb,
+                               source.levels[2].blocks[0].attn.rpb)
+    feats = timm.create_model('nat_mini.in1k', pretrained=True, features_only=True).eval()
+    with torch.no_grad():
+        expected = source.forward_intermediates(x, intermediates_only=True)
+        for a, b in zip(feats(x), expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_hub_cache_layout(tmp_path):
+    snap = write_hf_cache(tmp_path, 'org/name', {'a/b.txt': b'x'}, commit='0' * 40)
+    assert (tmp_path / 'models--org--name' / 'refs' / 'main').read_text() == '0' * 40
+    assert (snap / 'a' / 'b.txt').read_bytes() == b'x'
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+    with offline_hf_cache(tmp_path):
+        assert hf_hub_download('org/name', 'a/b.txt') == str(snap / 'a' / 'b.txt')
+        with pytest.raises(EntryNotFoundError):  # what timm catches for model.safetensors
+            hf_hub_download('org/name', 'model.safetensors')
+    import huggingface_hub.constants as constants
+    assert constants.HF_HUB_CACHE != str(tmp_path)
