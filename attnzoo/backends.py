@@ -26,6 +26,8 @@ import logging
 import os
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
+import torch
+
 __all__ = [
     "BACKENDS", "BackendUnsupportedError", "set_backend", "get_backend", "use_backend",
     "resolve", "register_op", "available_backends", "supported_backends",
@@ -89,17 +91,19 @@ def get_backend(explicit: Optional[str] = None) -> str:
 # op name -> ({backend: support check}, auto's order of preference for a call key)
 _SupportFn = Callable[[tuple], Optional[str]]
 _OrderFn = Callable[[tuple], Sequence[str]]
-_OPS: Dict[str, Tuple[Dict[str, _SupportFn], _OrderFn]] = {}
+_OPS: Dict[str, Tuple[Dict[str, _SupportFn], _OrderFn, Callable[[tuple], tuple]]] = {}
 
 
-def register_op(op: str, support: Dict[str, _SupportFn], order: Optional[_OrderFn] = None) -> None:
+def register_op(op: str, support: Dict[str, _SupportFn], order: Optional[_OrderFn] = None,
+                key_type: Callable[..., tuple] = tuple) -> None:
     """Register an op's backends. ``support`` maps each concrete backend to
     ``fn(key) -> None | reason``; ``order(key)`` lists the backends ``auto`` tries for that call,
-    fastest first (default: the order of ``support``)."""
+    fastest first (default: the order of ``support``); ``key_type`` is the call key's class (a
+    NamedTuple), rebuilt from a plain tuple where torch.compile needs one."""
     unknown = set(support) - set(BACKENDS[:-1])
     if unknown:
         raise ValueError(f"op {op!r} registers unknown backends {sorted(unknown)}")
-    _OPS[op] = (dict(support), order or (lambda key: tuple(support)))
+    _OPS[op] = (dict(support), order or (lambda key: tuple(support)), key_type)
     _auto_choice.cache_clear()
 
 
@@ -131,6 +135,14 @@ def _auto_choice(op: str, key: tuple) -> str:
     raise BackendUnsupportedError(f"no attnzoo backend can run {op} for {key} ({reasons})")
 
 
+# Under torch.compile the choice is a constant of the graph: Dynamo neither traces the support
+# checks (nor the debug log) nor breaks the graph for them. It gets the key as a plain tuple
+# (Dynamo mis-rebuilds NamedTuple arguments of constant-result functions).
+@torch.compiler.assume_constant_result
+def _auto_choice_constant(op: str, fields: tuple) -> str:
+    return _auto_choice(op, _OPS[op][2](*fields))
+
+
 def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
     """The concrete backend that will run ``op`` for call ``key``.
 
@@ -139,7 +151,7 @@ def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
     """
     requested = get_backend(backend)
     if requested == "auto":
-        return _auto_choice(op, key)
+        return _auto_choice_constant(op, tuple(key))
     reason = _support(op)[requested](key) if requested in _support(op) else (
         f"{op} has no {requested!r} implementation")
     if reason is not None:

@@ -15,6 +15,7 @@ import attnzoo
 from attnzoo.layers import NeighborhoodAttention2d
 from attnzoo.models.nat import NAT, checkpoint_filter_fn
 from hub_cache import offline_hf_cache, write_hf_cache
+from timm_suite.hf_cache import nat_to_transformers as to_transformers_layout
 
 
 def _count(model):
@@ -329,47 +330,6 @@ def test_torchscript_and_fx():
 # ----------------------------------------------------------------------------------------------
 # checkpoints
 # ----------------------------------------------------------------------------------------------
-
-def to_transformers_layout(state_dict, prefix='nat.'):
-    """Inverse of the spec's key map: official NAT keys -> transformers' Nat/Dinat layout."""
-    out = {}
-    for k, v in state_dict.items():
-        m = re.match(r'levels\.(\d+)\.blocks\.(\d+)\.(.+)$', k)
-        if m:
-            i, j, name = m.groups()
-            base = f'{prefix}encoder.levels.{i}.layers.{j}.'
-            if name.startswith('attn.qkv.'):
-                param = name[len('attn.qkv.'):]
-                for part, t in zip(('query', 'key', 'value'), v.chunk(3, dim=0)):
-                    out[f'{base}attention.self.{part}.{param}'] = t.clone()
-                continue
-            if name == 'gamma1':
-                out[base + 'layer_scale_parameters'] = torch.stack(
-                    [v, state_dict[k[:-1] + '2']])
-                continue
-            if name == 'gamma2':
-                continue
-            for src, dst in (('norm1.', 'layernorm_before.'), ('norm2.', 'layernorm_after.'),
-                             ('attn.rpb', 'attention.self.rpb'),
-                             ('attn.proj.', 'attention.output.dense.'),
-                             ('mlp.fc1.', 'intermediate.dense.'), ('mlp.fc2.', 'output.dense.')):
-                if name.startswith(src):
-                    out[base + dst + name[len(src):]] = v
-                    break
-            else:
-                raise AssertionError(k)
-            continue
-        for src, dst in (('patch_embed.proj.', 'embeddings.patch_embeddings.projection.'),
-                         ('patch_embed.norm.', 'embeddings.norm.'),
-                         ('levels.', 'encoder.levels.'), ('norm.', 'layernorm.')):
-            if k.startswith(src):
-                out[prefix + dst + k[len(src):]] = v
-                break
-        else:
-            assert k.startswith('head.'), k
-            out['classifier.' + k[len('head.'):]] = v
-    return out
-
 
 def _assert_same_state(a, b):
     assert list(a) == list(b) or set(a) == set(b)

@@ -344,7 +344,7 @@ def _auto_order(call: NACall) -> Tuple[str, ...]:
 _IMPLS = {"torch": na_reference, "natten": _na_natten, "cuda": _na_cuda}
 for _n in (1, 2):
     backends.register_op(f"na{_n}d", {"torch": lambda call: None, "natten": _natten_support,
-                                      "cuda": _cuda_support}, order=_auto_order)
+                                      "cuda": _cuda_support}, order=_auto_order, key_type=NACall)
 
 
 # --------------------------------------------------------------------------------------------

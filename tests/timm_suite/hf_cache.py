@@ -172,13 +172,18 @@ _NAT_TOP_TO_HF = (
 
 @register_layout(r"shi-labs/(nat|dinat)-")
 def _nat_to_transformers(state_dict: dict, model, repo_id: str) -> dict:
+    prefix = "dinat." if repo_id.split("/", 1)[1].startswith("dinat-") else "nat."
+    return nat_to_transformers(state_dict, prefix)
+
+
+def nat_to_transformers(state_dict: dict, prefix: str = "nat.") -> dict:
     """NAT/DiNAT (official names) -> transformers' Nat/DinatForImageClassification state dict:
     ``{nat,dinat}.embeddings.patch_embeddings.projection.*``, ``.embeddings.norm.*``,
     ``.encoder.levels.{i}.layers.{j}.{layernorm_before, attention.self.{query,key,value,rpb},
     attention.output.dense, layernorm_after, intermediate.dense, output.dense,
     layer_scale_parameters}``, ``.encoder.levels.{i}.downsample.{reduction,norm}.*``,
-    ``.layernorm.*``, ``classifier.*``."""
-    prefix = "dinat." if repo_id.split("/", 1)[1].startswith("dinat-") else "nat."
+    ``.layernorm.*``, ``classifier.*``. The inverse of the spec's key map, written independently
+    of ``attnzoo.models.nat``'s checkpoint filter, which the tests check it against."""
     out, gammas = {}, {}
     for k, v in state_dict.items():
         m = re.match(r"levels\.(\d+)\.blocks\.(\d+)\.(.+)$", k)
