@@ -122,7 +122,6 @@ def _axis_plan(L: int, K: int, d: int, T: int) -> _AxisPlan:
     r = K // 2
     lg_max = math.ceil(L / d)
     n_tiles = math.ceil(lg_max / T)
-    R = min(T + K - 1, lg_max)
     g = torch.arange(d).view(d, 1, 1)
     lg = torch.div(L - g + d - 1, d, rounding_mode="floor")  # true length of each group
     tiled = torch.arange(n_tiles * T).view(1, n_tiles, T)
@@ -130,6 +129,9 @@ def _axis_plan(L: int, K: int, d: int, T: int) -> _AxisPlan:
     # row (which would give NaN), and their outputs are dropped.
     ip = torch.minimum(tiled, lg - 1)
     start = torch.clamp(ip - r, min=0).minimum(lg - K)
+    # A tile's windows span [start of its first query, start of its last + K): at most T + K - 1
+    # keys, fewer where windows are clamped at a border. R is the widest span over all tiles.
+    R = min(int((start[:, :, -1] - start[:, :, 0]).max()) + K, lg_max)
     region = torch.clamp(start[:, :, :1], max=lg_max - R)               # [d, nT, 1]
     key_ip = region + torch.arange(R).view(1, 1, R)                      # [d, nT, R]
     off = key_ip.unsqueeze(2) - start.unsqueeze(3)                       # [d, nT, T, R]
