@@ -104,7 +104,7 @@ def register_op(op: str, support: Dict[str, _SupportFn], order: Optional[_OrderF
     if unknown:
         raise ValueError(f"op {op!r} registers unknown backends {sorted(unknown)}")
     _OPS[op] = (dict(support), order or (lambda key: tuple(support)), key_type)
-    _auto_choice.cache_clear()
+    _resolve.cache_clear()
 
 
 def _support(op: str) -> Dict[str, _SupportFn]:
@@ -125,34 +125,16 @@ def available_backends(op: str, key: tuple) -> Dict[str, Optional[str]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _auto_choice(op: str, key: tuple) -> str:
+def _resolve(op: str, key: tuple, requested: str) -> str:
     support = _support(op)
-    for backend in _OPS[op][1](key):
-        if support[backend](key) is None:
-            _logger.debug("attnzoo: auto backend for %s%s -> %s", op, key, backend)
-            return backend
-    reasons = "; ".join(f"{b}: {r}" for b, r in available_backends(op, key).items())
-    raise BackendUnsupportedError(f"no attnzoo backend can run {op} for {key} ({reasons})")
-
-
-# Under torch.compile the choice is a constant of the graph: Dynamo neither traces the support
-# checks (nor the debug log) nor breaks the graph for them. It gets the key as a plain tuple
-# (Dynamo mis-rebuilds NamedTuple arguments of constant-result functions).
-@torch.compiler.assume_constant_result
-def _auto_choice_constant(op: str, fields: tuple) -> str:
-    return _auto_choice(op, _OPS[op][2](*fields))
-
-
-def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
-    """The concrete backend that will run ``op`` for call ``key``.
-
-    ``backend`` is the explicit argument (``None``: context/process/env/auto). Raises
-    :class:`BackendUnsupportedError` when an explicitly requested backend cannot run the call.
-    """
-    requested = get_backend(backend)
     if requested == "auto":
-        return _auto_choice_constant(op, tuple(key))
-    reason = _support(op)[requested](key) if requested in _support(op) else (
+        for backend in _OPS[op][1](key):
+            if support[backend](key) is None:
+                _logger.debug("attnzoo: auto backend for %s%s -> %s", op, key, backend)
+                return backend
+        reasons = "; ".join(f"{b}: {r}" for b, r in available_backends(op, key).items())
+        raise BackendUnsupportedError(f"no attnzoo backend can run {op} for {key} ({reasons})")
+    reason = support[requested](key) if requested in support else (
         f"{op} has no {requested!r} implementation")
     if reason is not None:
         others = [b for b in supported_backends(op, key) if b != requested]
@@ -162,3 +144,21 @@ def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
             f"Backends that can: {alternatives}.")
     return requested
 
+
+# Under torch.compile the choice is a constant of the graph: Dynamo neither traces the support
+# checks (nor the debug log) nor breaks the graph for them. It gets the key as a plain tuple
+# (Dynamo mis-rebuilds NamedTuple arguments of constant-result functions).
+@torch.compiler.assume_constant_result
+def _resolve_constant(op: str, fields: tuple, requested: str) -> str:
+    return _resolve(op, _OPS[op][2](*fields), requested)
+
+
+def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
+    """The concrete backend that will run ``op`` for call ``key`` (cached per call key).
+
+    ``backend`` is the explicit argument (``None``: context/process/env/auto). Raises
+    :class:`BackendUnsupportedError` when an explicitly requested backend cannot run the call,
+    naming the backends that can; ``auto`` falls back to the torch reference last.
+    """
+    _support(op)  # unknown ops fail here, with the list of registered ones
+    return _resolve_constant(op, tuple(key), get_backend(backend))

@@ -34,10 +34,10 @@ def _clean_backend_state(monkeypatch):
     """Every test starts and ends with no process default, no env var, fresh caches."""
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     backends.set_backend(None)
-    backends._auto_choice.cache_clear()
+    backends._resolve.cache_clear()
     yield
     backends.set_backend(None)
-    backends._auto_choice.cache_clear()
+    backends._resolve.cache_clear()
     nbh._natten.cache_clear()
 
 
@@ -502,7 +502,7 @@ def spy(monkeypatch):
         backends.register_op(op, support, order=lambda call: ("natten", "torch"),
                              key_type=nbh.NACall)
     yield calls
-    backends._auto_choice.cache_clear()
+    backends._resolve.cache_clear()
 
 
 def _run2d(**kw):
@@ -697,11 +697,11 @@ def legacy_natten(monkeypatch):
     monkeypatch.setitem(sys.modules, "natten", natten)
     monkeypatch.setitem(sys.modules, "natten.functional", functional)
     nbh._natten.cache_clear()
-    backends._auto_choice.cache_clear()
+    backends._resolve.cache_clear()
     assert nbh._natten()[1] == "legacy"
     yield calls
     nbh._natten.cache_clear()
-    backends._auto_choice.cache_clear()
+    backends._resolve.cache_clear()
 
 
 @pytest.mark.parametrize("shape,kernel,dilation,scale", [
