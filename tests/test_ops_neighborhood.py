@@ -188,7 +188,7 @@ def test_na2d_torch_matches_brute_force(shape, kernel, dilation, use_rpb, scale,
 def test_tiled_cases_really_tile(monkeypatch):
     """The 'tiled-*' cases above must exercise the tiled path: the reference's attention calls
     see fewer keys per query row than a whole dilation group holds (not one dense masked
-    attention). Spies on SDPA; skipped if the reference stops using it."""
+    attention). Spies on SDPA."""
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -202,8 +202,7 @@ def test_tiled_cases_really_tile(monkeypatch):
         seen.clear()
         q, k, v, _ = make_inputs((1,) + spatial + (1, 2))
         na2d(q, k, v, kernel_size=ks, dilation=dil, backend="torch")
-        if not seen:
-            pytest.skip("the torch reference no longer calls scaled_dot_product_attention")
+        assert seen, "the torch reference no longer runs through SDPA: update this spy"
         dh, dw = _pair(dil)
         group = math.ceil(spatial[0] / dh) * math.ceil(spatial[1] / dw)
         assert max(seen) < group, (spatial, ks, dil, seen, group)

@@ -10,7 +10,7 @@ What it does, and why:
 2. While the suite is imported, ``timm.list_models(module=[...])`` also returns our models. The
    suite picks the models for ``test_model_forward_intermediates``,
    ``test_model_forward_intermediates_features`` and ``test_prune_intermediate_layers_contract``
-   by timm *module name* from its hard-coded ``FEAT_INTER_FILTERS`` list (models with
+   by timm *module name* from a hard-coded list of module names (models with
    ``forward_intermediates()`` / ``prune_intermediate_layers()`` and FeatureGetterNet
    ``features_only`` support). Every attnzoo model implements that contract (architecture spec), but
    our modules (``attnzoo.models.nat`` -> module key ``nat``) are not in timm's list. The patch is
