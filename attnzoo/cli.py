@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from typing import List, Optional, Sequence
 
 import torch
 
 from . import backends
-from .profiling import count_macs, count_params, list_attnzoo_models
+from .profiling import count_macs, count_params, list_attnzoo_models, time_steps
 
 
 def _cmd_list(args) -> int:
@@ -23,23 +22,15 @@ def _cmd_list(args) -> int:
     return 0
 
 
-def _measure(model, x, steps: int, warmup: int, backward: bool) -> float:
-    """Median seconds per step (forward, or forward+backward)."""
-    times = []
-    for i in range(warmup + steps):
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        if backward:
-            model(x).float().logsumexp(-1).sum().backward()
-        else:
-            with torch.no_grad():
-                model(x)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _step(model, x, backward: bool):
+    """One benchmark step: inference, or forward+backward."""
+    if backward:
+        return lambda: model(x).float().logsumexp(-1).sum().backward()
+
+    def infer():
+        with torch.no_grad():
+            model(x)
+    return infer
 
 
 def _cmd_bench(args) -> int:
@@ -61,7 +52,8 @@ def _cmd_bench(args) -> int:
     for name in args.backends.split(","):
         try:
             with backends.use_backend(name):
-                seconds = _measure(model, x, args.steps, args.warmup, args.backward)
+                seconds = statistics.median(time_steps(
+                    _step(model, x, args.backward), device, args.warmup, args.steps))
         except backends.BackendUnsupportedError as e:
             print(f"  {name:>6}: unavailable ({e})", flush=True)
             continue

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import List, Sequence
+import time
+from typing import Callable, List, Sequence, Union
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -11,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from . import backends
 from .ops import neighborhood
 
-__all__ = ["count_params", "count_macs", "list_attnzoo_models"]
+__all__ = ["count_params", "count_macs", "time_steps", "list_attnzoo_models"]
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -45,6 +46,24 @@ def count_macs(model: torch.nn.Module, input_size: Sequence[int]) -> int:
     finally:
         neighborhood.MAC_COUNTERS.remove(on_na)
     return (counter.get_total_flops() - sum(inside_na)) // 2 + sum(na_macs)
+
+
+def time_steps(fn: Callable[[], object], device: Union[str, torch.device], warmup: int = 1,
+               repeats: int = 5) -> List[float]:
+    """Wall seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls; on
+    CUDA each call is synchronised so its kernels are inside the measurement."""
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def list_attnzoo_models(filter: str = "", pretrained: bool = False) -> List[str]:

@@ -20,7 +20,6 @@ import math
 import platform
 import statistics
 import sys
-import time
 import warnings
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
@@ -28,6 +27,7 @@ import torch
 
 from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import na2d
+from attnzoo.profiling import time_steps
 
 TARGET_RATIO = 10.0
 
@@ -48,11 +48,6 @@ CASES = [
 ]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _proc_status_mib(field: str) -> Optional[float]:
@@ -91,15 +86,7 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, repeats
         base = torch.cuda.memory_allocated(device)
     else:
         base = _reset_cpu_peak()
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+    times = [t * 1e3 for t in time_steps(fn, device, warmup, repeats)]
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
     else:

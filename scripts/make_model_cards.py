@@ -10,14 +10,15 @@ pretrained tags with where their weights come from.
 import argparse
 import datetime
 import platform
+import statistics
 import sys
 
 import timm
 import torch
 
 import attnzoo
-from attnzoo.cli import _measure
-from attnzoo.profiling import count_macs, count_params, list_attnzoo_models
+from attnzoo.cli import _step
+from attnzoo.profiling import count_macs, count_params, list_attnzoo_models, time_steps
 
 
 def card(name: str, args) -> str:
@@ -44,7 +45,8 @@ def card(name: str, args) -> str:
         model = timm.create_model(name).eval()
         x = torch.randn(args.batch_size, 3, size, size)
         with attnzoo.use_backend("torch"):
-            seconds = _measure(model, x, args.steps, 1, backward=False)
+            seconds = statistics.median(time_steps(_step(model, x, backward=False), "cpu",
+                                                   warmup=1, repeats=args.steps))
         lines.append(f"- Throughput ({args.where}): {args.batch_size / seconds:.2f} img/s "
                      f"at batch {args.batch_size}, fp32, torch backend")
     tags = timm.list_models(name, pretrained=True)

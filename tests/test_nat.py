@@ -14,12 +14,9 @@ import torch.nn.functional as F
 import attnzoo
 from attnzoo.layers import NeighborhoodAttention2d
 from attnzoo.models.nat import NAT, checkpoint_filter_fn
+from attnzoo.profiling import count_params
 from hub_cache import offline_hf_cache, write_hf_cache
 from timm_suite.hf_cache import nat_to_transformers as to_transformers_layout
-
-
-def _count(model):
-    return sum(p.numel() for p in model.parameters())
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +61,7 @@ def test_every_registered_variant_has_an_expected_count():
 def test_param_counts(name):
     expected, decimals = EXPECTED_PARAMS[name]
     model = _meta(name)
-    assert round(_count(model) / 1e6, decimals) == expected
+    assert round(count_params(model) / 1e6, decimals) == expected
 
 
 def test_param_count_11x11():
@@ -72,7 +69,7 @@ def test_param_count_11x11():
     big = _meta('dinat_large_11x11_384')
     depths, heads = (3, 4, 18, 5), (6, 12, 24, 48)
     extra = sum(d * h for d, h in zip(depths, heads)) * ((2 * 11 - 1) ** 2 - (2 * 7 - 1) ** 2)
-    assert _count(big) - _count(large) == extra
+    assert count_params(big) - count_params(large) == extra
     assert big.levels[0].blocks[0].attn.rpb.shape == (6, 21, 21)
 
 

@@ -560,7 +560,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NAT) -> Dict[str, to
 # model creation, pretrained configs, registration
 # --------------------------------------------------------------------------------------------
 
-def _create_nat(variant: str, pretrained: bool = False, **kwargs) -> NAT:
+def _create_nat(variant: str, pretrained: bool, model_args: Dict[str, Any], **kwargs) -> NAT:
+    kwargs = dict(model_args, **kwargs)  # the caller's kwargs override the variant's config
     out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (3, 4, 6, 5))))))
     # features_only uses forward_intermediates (FeatureGetterNet): the taps sit inside a level
     # (before its downsampler), which module-hook / flattened-Sequential extractors cannot reach.
@@ -630,81 +631,76 @@ _LARGE = dict(depths=(3, 4, 18, 5), num_heads=(6, 12, 24, 48), embed_dim=192, ml
               drop_path_rate=0.35)
 
 
-def _variant(base: Dict[str, Any], **overrides) -> Dict[str, Any]:
-    return dict(base, **overrides)
-
-
 @register_model
 def nat_mini(pretrained: bool = False, **kwargs) -> NAT:
     """NAT-Mini (20.0M params, 2.7 GMACs @ 224)."""
-    return _create_nat('nat_mini', pretrained=pretrained, **dict(_MINI, **kwargs))
+    return _create_nat('nat_mini', pretrained, _MINI, **kwargs)
 
 
 @register_model
 def nat_tiny(pretrained: bool = False, **kwargs) -> NAT:
     """NAT-Tiny (27.9M params, 4.3 GMACs @ 224)."""
-    return _create_nat('nat_tiny', pretrained=pretrained, **dict(_TINY, **kwargs))
+    return _create_nat('nat_tiny', pretrained, _TINY, **kwargs)
 
 
 @register_model
 def nat_small(pretrained: bool = False, **kwargs) -> NAT:
     """NAT-Small (50.7M params, 7.8 GMACs @ 224), layer scale 1e-5."""
-    return _create_nat('nat_small', pretrained=pretrained,
-                       **dict(_variant(_SMALL, layer_scale=1e-5), **kwargs))
+    return _create_nat('nat_small', pretrained,
+                       dict(_SMALL, layer_scale=1e-5), **kwargs)
 
 
 @register_model
 def nat_base(pretrained: bool = False, **kwargs) -> NAT:
     """NAT-Base (89.8M params, 13.7 GMACs @ 224), layer scale 1e-5."""
-    return _create_nat('nat_base', pretrained=pretrained, **dict(_BASE, **kwargs))
+    return _create_nat('nat_base', pretrained, _BASE, **kwargs)
 
 
 @register_model
 def dinat_mini(pretrained: bool = False, **kwargs) -> NAT:
     """DiNAT-Mini: NAT-Mini with dilated blocks."""
-    return _create_nat('dinat_mini', pretrained=pretrained,
-                       **dict(_variant(_MINI, dilations=_DINAT_MINI_DILATIONS), **kwargs))
+    return _create_nat('dinat_mini', pretrained,
+                       dict(_MINI, dilations=_DINAT_MINI_DILATIONS), **kwargs)
 
 
 @register_model
 def dinat_tiny(pretrained: bool = False, **kwargs) -> NAT:
     """DiNAT-Tiny: NAT-Tiny with dilated blocks."""
-    return _create_nat('dinat_tiny', pretrained=pretrained,
-                       **dict(_variant(_TINY, dilations=_DINAT_DILATIONS), **kwargs))
+    return _create_nat('dinat_tiny', pretrained,
+                       dict(_TINY, dilations=_DINAT_DILATIONS), **kwargs)
 
 
 @register_model
 def dinat_small(pretrained: bool = False, **kwargs) -> NAT:
     """DiNAT-Small: NAT-Small with dilated blocks and, unlike NAT-Small, no layer scale."""
-    return _create_nat('dinat_small', pretrained=pretrained,
-                       **dict(_variant(_SMALL, dilations=_DINAT_DILATIONS), **kwargs))
+    return _create_nat('dinat_small', pretrained,
+                       dict(_SMALL, dilations=_DINAT_DILATIONS), **kwargs)
 
 
 @register_model
 def dinat_base(pretrained: bool = False, **kwargs) -> NAT:
     """DiNAT-Base: NAT-Base with dilated blocks (layer scale 1e-5)."""
-    return _create_nat('dinat_base', pretrained=pretrained,
-                       **dict(_variant(_BASE, dilations=_DINAT_DILATIONS), **kwargs))
+    return _create_nat('dinat_base', pretrained,
+                       dict(_BASE, dilations=_DINAT_DILATIONS), **kwargs)
 
 
 @register_model
 def dinat_large(pretrained: bool = False, **kwargs) -> NAT:
     """DiNAT-Large (200.9M params, 30.5 GMACs @ 224), 224 dilation schedule."""
-    return _create_nat('dinat_large', pretrained=pretrained,
-                       **dict(_variant(_LARGE, dilations=_DINAT_DILATIONS), **kwargs))
+    return _create_nat('dinat_large', pretrained,
+                       dict(_LARGE, dilations=_DINAT_DILATIONS), **kwargs)
 
 
 @register_model
 def dinat_large_384(pretrained: bool = False, **kwargs) -> NAT:
     """DiNAT-Large with the 384 dilation schedule (13 / 6 / 3 / 1)."""
-    return _create_nat('dinat_large_384', pretrained=pretrained,
-                       **dict(_variant(_LARGE, dilations=_DINAT_384_DILATIONS), **kwargs))
+    return _create_nat('dinat_large_384', pretrained,
+                       dict(_LARGE, dilations=_DINAT_384_DILATIONS), **kwargs)
 
 
 @register_model
 def dinat_large_11x11_384(pretrained: bool = False, **kwargs) -> NAT:
     """DiNAT-Large with 11x11 neighborhoods at 384: dilations 8 / 4 / 2 / 1, the largest with
     11 * d <= 96 / 48 / 24 / 12 (the same schedule as the 7x7 model at 224)."""
-    return _create_nat('dinat_large_11x11_384', pretrained=pretrained,
-                       **dict(_variant(_LARGE, kernel_size=11, dilations=_DINAT_DILATIONS),
-                              **kwargs))
+    return _create_nat('dinat_large_11x11_384', pretrained,
+                       dict(_LARGE, kernel_size=11, dilations=_DINAT_DILATIONS), **kwargs)
