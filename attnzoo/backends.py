@@ -1,4 +1,4 @@
-"""The attention backend switch.
+"""The attention backend switch and the op registry.
 
 Every local-attention op in :mod:`attnzoo.ops` can run on several backends:
 
@@ -9,28 +9,40 @@ Every local-attention op in :mod:`attnzoo.ops` can run on several backends:
 * ``"auto"``   - per call, the fastest backend that supports it; ``torch`` is the last resort.
 
 Selection, most specific first: an explicit ``backend=`` argument, :func:`use_backend` (a
-context manager), :func:`set_backend` (process default), the ``ATTNZOO_BACKEND`` environment
-variable, then ``"auto"``. An explicitly requested backend that cannot do a call raises
-:class:`BackendUnsupportedError` naming the backends that can; it never falls back silently.
+context manager, per thread), :func:`set_backend` (process default), the ``ATTNZOO_BACKEND``
+environment variable, then ``"auto"``. An explicitly requested backend that cannot do a call
+raises :class:`BackendUnsupportedError` naming the backends that can; it never falls back
+silently.
 
-Ops describe a call with a small hashable key (device type, dtype, options) and register, per
-backend, a function returning ``None`` when the backend supports that key or a short reason
-when it does not. ``auto`` decisions are cached per (op, key).
+An op registers once (:func:`register_op`): per backend its implementation and support check,
+``auto``'s order, the call-key type and its analytical MAC formula. Its public function validates
+the arguments, describes the call with a small hashable key (device type, dtype, options) and
+hands everything to :func:`dispatch`, which resolves the backend, lets profilers observe the call
+(:func:`observe_ops`) and runs the implementation.
+
+Under ``torch.compile`` the choice is a constant of the graph: the requested name is read from
+plain Python state (a ``threading.local`` and a module global, which Dynamo guards, so
+``use_backend`` / ``set_backend`` after compiling recompile), and the resolution itself is an
+``assume_constant_result`` function that Dynamo evaluates once instead of tracing. The
+environment variable is read inside it, so changing ``ATTNZOO_BACKEND`` after compiling takes no
+effect until the model is recompiled.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import logging
 import os
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+import threading
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, NamedTuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 __all__ = [
-    "BACKENDS", "BackendUnsupportedError", "set_backend", "get_backend", "use_backend",
-    "resolve", "register_op", "available_backends", "supported_backends",
+    "BACKENDS", "ENV_VAR", "BackendUnsupportedError", "Backend", "set_backend", "get_backend",
+    "use_backend", "register_op", "registered_ops", "dispatch", "resolve", "available_backends",
+    "supported_backends", "observe_ops",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -52,10 +64,13 @@ def _check_name(name: object, argument: str = "backend") -> str:
     return lowered
 
 
-# A ContextVar (not a thread-local) so use_backend() also scopes correctly across asyncio tasks;
-# reading it is cheap enough for every op call.
-_context_backend: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
-    "attnzoo_backend", default=None)
+# ---------------------------------------------------------------------------------------------
+# the requested backend
+# ---------------------------------------------------------------------------------------------
+
+# Per thread (a threading.local, which torch.compile traces and guards on every supported torch;
+# a ContextVar is not traceable before torch 2.6). ``backend`` unset means no use_backend block.
+_context = threading.local()
 _process_backend: Optional[str] = None
 
 
@@ -67,75 +82,120 @@ def set_backend(name: Optional[str]) -> None:
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
-    """Within the ``with`` block, ops without an explicit ``backend=`` use ``name``."""
-    token = _context_backend.set(_check_name(name))
+    """Within the ``with`` block (in this thread), ops without an explicit ``backend=`` use
+    ``name``."""
+    name = _check_name(name)
+    previous = getattr(_context, "backend", None)
+    _context.backend = name
     try:
-        yield _context_backend.get()
+        yield name
     finally:
-        _context_backend.reset(token)
+        _context.backend = previous
+
+
+def _requested(explicit: Optional[str]) -> Optional[str]:
+    """argument > use_backend > set_backend; ``None`` leaves the env var / auto to resolution."""
+    if explicit is not None:
+        return explicit
+    context = getattr(_context, "backend", None)
+    return context if context is not None else _process_backend
+
+
+def _from_env() -> str:
+    env = os.environ.get(ENV_VAR)
+    return _check_name(env, argument=f"environment variable {ENV_VAR}") if env else "auto"
 
 
 def get_backend(explicit: Optional[str] = None) -> str:
     """The requested backend name (not yet resolved): argument > context > process > env > auto."""
-    if explicit is not None:
-        return _check_name(explicit)
-    for value in (_context_backend.get(), _process_backend):
-        if value is not None:
-            return value
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return _check_name(env, argument=f"environment variable {ENV_VAR}")
-    return "auto"
+    requested = _requested(explicit)
+    return _from_env() if requested is None else _check_name(requested)
 
 
-# op name -> ({backend: support check}, auto's order of preference for a call key)
-_SupportFn = Callable[[tuple], Optional[str]]
-_OrderFn = Callable[[tuple], Sequence[str]]
-_OPS: Dict[str, Tuple[Dict[str, _SupportFn], _OrderFn, Callable[[tuple], tuple]]] = {}
+# ---------------------------------------------------------------------------------------------
+# the op registry
+# ---------------------------------------------------------------------------------------------
+
+def _always(key: tuple) -> Optional[str]:
+    return None
 
 
-def register_op(op: str, support: Dict[str, _SupportFn], order: Optional[_OrderFn] = None,
-                key_type: Callable[..., tuple] = tuple) -> None:
-    """Register an op's backends. ``support`` maps each concrete backend to
-    ``fn(key) -> None | reason``; ``order(key)`` lists the backends ``auto`` tries for that call,
-    fastest first (default: the order of ``support``); ``key_type`` is the call key's class (a
-    NamedTuple), rebuilt from a plain tuple where torch.compile needs one."""
-    unknown = set(support) - set(BACKENDS[:-1])
+class Backend(NamedTuple):
+    """One backend of an op: ``impl(*args)`` and ``support(key) -> None | reason``."""
+    impl: Callable[..., Any]
+    support: Callable[[tuple], Optional[str]] = _always
+
+
+class _Op(NamedTuple):
+    backends: Dict[str, Backend]
+    order: Callable[[tuple], Sequence[str]]
+    key_type: Callable[..., tuple]
+    macs: Callable[..., int]
+
+
+_OPS: Dict[str, _Op] = {}
+
+
+def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..., int],
+                key_type: Callable[..., tuple] = tuple,
+                order: Optional[Callable[[tuple], Sequence[str]]] = None) -> None:
+    """Register (or replace) op ``name``.
+
+    Args:
+        backends: concrete backend name -> :class:`Backend`; ``torch`` is required (the oracle).
+        macs: ``macs(*args) -> int``, the op's multiply-accumulates for the arguments its
+            implementations take, counted the papers' way whatever a backend really computes
+            (:func:`attnzoo.profiling.count_macs` uses it).
+        key_type: the call key's class (a NamedTuple); the key is rebuilt from a plain tuple
+            where torch.compile needs one.
+        order: ``order(key)`` lists the backends ``auto`` tries for that call, fastest first
+            (default: the order of ``backends``).
+    """
+    unknown = set(backends) - set(BACKENDS[:-1])
     if unknown:
-        raise ValueError(f"op {op!r} registers unknown backends {sorted(unknown)}")
-    _OPS[op] = (dict(support), order or (lambda key: tuple(support)), key_type)
+        raise ValueError(f"op {name!r} registers unknown backends {sorted(unknown)}; "
+                         f"accepted: {', '.join(BACKENDS[:-1])}")
+    if "torch" not in backends:
+        raise ValueError(f"op {name!r} must register the 'torch' reference backend")
+    _OPS[name] = _Op(dict(backends), order or (lambda key: tuple(backends)), key_type, macs)
     _resolve.cache_clear()
 
 
-def _support(op: str) -> Dict[str, _SupportFn]:
+def registered_ops() -> Tuple[str, ...]:
+    return tuple(sorted(_OPS))
+
+
+def _op(name: str) -> _Op:
     try:
-        return _OPS[op][0]
+        return _OPS[name]
     except KeyError:
-        raise ValueError(f"unknown op {op!r}; registered: {sorted(_OPS)}") from None
+        raise ValueError(f"unknown op {name!r}; registered: {', '.join(sorted(_OPS))}") from None
+
+
+def available_backends(op: str, key: tuple) -> Dict[str, Optional[str]]:
+    """For each concrete backend of ``op``: ``None`` if it can run call ``key``, else why not."""
+    return {b: backend.support(key) for b, backend in _op(op).backends.items()}
 
 
 def supported_backends(op: str, key: tuple) -> Tuple[str, ...]:
     """Concrete backends that can run ``op`` for call ``key``."""
-    return tuple(b for b, fn in _support(op).items() if fn(key) is None)
-
-
-def available_backends(op: str, key: tuple) -> Dict[str, Optional[str]]:
-    """For each concrete backend of ``op``: ``None`` if it can run ``key``, else the reason."""
-    return {b: fn(key) for b, fn in _support(op).items()}
+    return tuple(b for b, reason in available_backends(op, key).items() if reason is None)
 
 
 @functools.lru_cache(maxsize=4096)
 def _resolve(op: str, key: tuple, requested: str) -> str:
-    support = _support(op)
+    spec = _op(op)
     if requested == "auto":
-        for backend in _OPS[op][1](key):
-            if support[backend](key) is None:
-                _logger.debug("attnzoo: auto backend for %s%s -> %s", op, key, backend)
-                return backend
+        for name in spec.order(key):
+            if spec.backends[name].support(key) is None:
+                _logger.debug("attnzoo: auto backend for %s%s -> %s", op, key, name)
+                return name
         reasons = "; ".join(f"{b}: {r}" for b, r in available_backends(op, key).items())
         raise BackendUnsupportedError(f"no attnzoo backend can run {op} for {key} ({reasons})")
-    reason = support[requested](key) if requested in support else (
-        f"{op} has no {requested!r} implementation")
+    if requested in spec.backends:
+        reason = spec.backends[requested].support(key)
+    else:
+        reason = f"{op} has no {requested!r} implementation"
     if reason is not None:
         others = [b for b in supported_backends(op, key) if b != requested]
         alternatives = ", ".join(repr(b) for b in others + ["auto"]) if others else "none"
@@ -145,12 +205,26 @@ def _resolve(op: str, key: tuple, requested: str) -> str:
     return requested
 
 
-# Under torch.compile the choice is a constant of the graph: Dynamo neither traces the support
-# checks (nor the debug log) nor breaks the graph for them. It gets the key as a plain tuple
-# (Dynamo mis-rebuilds NamedTuple arguments of constant-result functions).
+_ERRORS = {"U": BackendUnsupportedError, "V": ValueError, "T": TypeError}
+
+
 @torch.compiler.assume_constant_result
-def _resolve_constant(op: str, fields: tuple, requested: str) -> str:
-    return _resolve(op, _OPS[op][2](*fields), requested)
+def _choose(op: str, fields: tuple, requested: Optional[str]) -> str:
+    """The backend for a call, or ``"!" + error code + message``: errors come back as values so
+    that under torch.compile they are raised by traced code (as the real exception type where
+    Dynamo allows a graph break), not wrapped as an internal Dynamo error."""
+    try:
+        name = _from_env() if requested is None else _check_name(requested)
+        return _resolve(op, _op(op).key_type(*fields), name)
+    except (ValueError, TypeError) as e:
+        code = "U" if isinstance(e, BackendUnsupportedError) else (
+            "V" if isinstance(e, ValueError) else "T")
+        return f"!{code}{e}"
+
+
+# torch 2.4-2.5's Dynamo stores an assume_constant_result value in the compiled frame's globals
+# under the function's __name__: a name no module uses keeps it from shadowing anything.
+_choose.__name__ = "_attnzoo_chosen_backend"
 
 
 def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
@@ -160,5 +234,36 @@ def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
     :class:`BackendUnsupportedError` when an explicitly requested backend cannot run the call,
     naming the backends that can; ``auto`` falls back to the torch reference last.
     """
-    _support(op)  # unknown ops fail here, with the list of registered ones
-    return _resolve_constant(op, tuple(key), get_backend(backend))
+    choice = _choose(op, tuple(key), _requested(backend))
+    if choice.startswith("!"):
+        raise _ERRORS[choice[1]](choice[2:])
+    return choice
+
+
+# Context-manager factories ``observer(op, macs)`` entered around every dispatched call while
+# observe_ops() is active (profiling); empty otherwise, so dispatch pays one truth test.
+_observers: List[Callable[[str, int], ContextManager]] = []
+
+
+@contextlib.contextmanager
+def observe_ops(observer: Callable[[str, int], ContextManager]) -> Iterator[None]:
+    """Within the block, every op call runs inside ``observer(op_name, macs)``, ``macs`` being
+    the op's registered MAC formula for that call."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
+    """Run ``op`` for call ``key`` on the backend the selection rules give; ``args`` (already
+    validated by the public op) go to the implementation unchanged."""
+    spec = _OPS[op]
+    impl = spec.backends[resolve(op, key, backend)].impl
+    if not _observers:
+        return impl(*args)
+    with contextlib.ExitStack() as stack:
+        for observer in _observers:
+            stack.enter_context(observer(op, spec.macs(*args)))
+        return impl(*args)

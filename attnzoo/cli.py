@@ -13,11 +13,12 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import backends
-from .profiling import count_macs, count_params, list_attnzoo_models, time_steps
+from .models import list_models
+from .profiling import count_macs, count_params, time_steps
 
 
 def _cmd_list(args) -> int:
-    for name in list_attnzoo_models(args.filter, pretrained=args.pretrained):
+    for name in list_models(args.filter, pretrained=args.pretrained):
         print(name)
     return 0
 

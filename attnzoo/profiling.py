@@ -1,8 +1,7 @@
-"""Model size and cost accounting: parameters, fvcore-style MACs, the list of attnzoo models."""
+"""Model size and cost accounting: parameters, fvcore-style MACs, a timing loop."""
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import time
 from typing import Callable, List, Sequence, Union
 
@@ -10,9 +9,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import backends
-from .ops import neighborhood
 
-__all__ = ["count_params", "count_macs", "time_steps", "list_attnzoo_models"]
+__all__ = ["count_params", "count_macs", "time_steps"]
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -21,31 +19,26 @@ def count_params(model: torch.nn.Module) -> int:
 
 def count_macs(model: torch.nn.Module, input_size: Sequence[int]) -> int:
     """Multiply-accumulates of one forward pass, counted like fvcore (the papers' convention):
-    convolutions and matmuls, with each neighborhood attention counted as QK plus AV,
-    ``B * heads * tokens * head_dim * kernel_area`` each, whatever its backend actually computes
-    (the tiled torch reference does more, NATTEN's CPU path far more)."""
-    na_macs: List[int] = []
-    inside_na: List[int] = []
+    convolutions and matmuls as PyTorch's FlopCounterMode sees them, and every registered
+    attnzoo op by its registered MAC formula, whatever its backend actually computes (the tiled
+    NA reference does more, an elementwise aggregation shows FlopCounterMode nothing)."""
     param = next(model.parameters())
     x = torch.randn(*input_size, device=param.device, dtype=param.dtype)
     counter = FlopCounterMode(display=False)
+    seen_flops, op_macs = [0], [0]
 
     @contextlib.contextmanager
-    def on_na(macs: int):
+    def observer(op: str, macs: int):
         before = counter.get_total_flops()
         yield
-        inside_na.append(counter.get_total_flops() - before)
-        na_macs.append(macs)
+        seen_flops[0] += counter.get_total_flops() - before
+        op_macs[0] += macs
 
-    neighborhood.MAC_COUNTERS.append(on_na)
-    try:
-        # The torch reference runs anywhere, the meta device included (NATTEN's Flex path cannot
-        # run under a FlopCounterMode); the count does not depend on the backend.
-        with torch.no_grad(), backends.use_backend("torch"), counter:
-            model(x)
-    finally:
-        neighborhood.MAC_COUNTERS.remove(on_na)
-    return (counter.get_total_flops() - sum(inside_na)) // 2 + sum(na_macs)
+    # The torch references run anywhere, the meta device included (NATTEN's Flex path cannot
+    # run under a FlopCounterMode); the count does not depend on the backend.
+    with torch.no_grad(), backends.use_backend("torch"), backends.observe_ops(observer), counter:
+        model(x)
+    return (counter.get_total_flops() - seen_flops[0]) // 2 + op_macs[0]
 
 
 def time_steps(fn: Callable[[], object], device: Union[str, torch.device], warmup: int = 1,
@@ -64,14 +57,3 @@ def time_steps(fn: Callable[[], object], device: Union[str, torch.device], warmu
         sync()
         times.append(time.perf_counter() - start)
     return times
-
-
-def list_attnzoo_models(filter: str = "", pretrained: bool = False) -> List[str]:
-    """Names of the timm models that attnzoo registers; with ``pretrained``, their pretrained
-    tags (``nat_mini.in1k``)."""
-    import timm
-    from timm.models._registry import _model_entrypoints
-
-    ours = [n for n, fn in _model_entrypoints.items() if fn.__module__.startswith("attnzoo.")]
-    names = timm.list_models(ours, pretrained=pretrained) if ours else []
-    return fnmatch.filter(names, filter) if filter else names

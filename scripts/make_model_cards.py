@@ -18,7 +18,24 @@ import torch
 
 import attnzoo
 from attnzoo.cli import _step
-from attnzoo.profiling import count_macs, count_params, list_attnzoo_models, time_steps
+from attnzoo.profiling import count_macs, count_params, time_steps
+
+
+def _config_line(model) -> str:
+    """What distinguishes a variant: stage depths and widths, and its attention layers."""
+    parts = []
+    if hasattr(model, "stages"):
+        parts.append(f"depths {[len(getattr(s, 'blocks', ())) for s in model.stages]}")
+    parts.append(f"widths {[f['num_chs'] for f in model.feature_info]}")
+    attn = {}
+    for m in model.modules():
+        if type(m).__module__.startswith("attnzoo.layers"):
+            attn.setdefault(type(m).__name__, []).append(m)
+    for cls, mods in attn.items():
+        parts.append(f"{len(mods)} x {cls}({mods[0].extra_repr()})")
+        if hasattr(model, "stages") and all(hasattr(m, "dilation") for m in mods):
+            parts.append(f"dilations per stage {[[m.dilation for m in s.modules() if m in mods] for s in model.stages]}")
+    return "; ".join(parts)
 
 
 def card(name: str, args) -> str:
@@ -26,19 +43,12 @@ def card(name: str, args) -> str:
     size = model.pretrained_cfg["input_size"][-1]
     params = count_params(model) / 1e6
     gmacs = count_macs(model, (1, 3, size, size)) / 1e9
-    attn = [m for m in model.modules() if isinstance(m, attnzoo.layers.NeighborhoodAttention2d)]
-    dilations = [[m.dilation for m in lvl.modules() if m in attn] for lvl in model.levels]
     lines = [
         f"## {name}",
         "",
         f"- Paper: {model.pretrained_cfg.get('paper_name', '?')} "
         f"({model.pretrained_cfg.get('paper_ids', '?')})",
-        f"- Config: depths {[len(lvl.blocks) for lvl in model.levels]}, heads "
-        f"{[lvl.blocks[0].attn.num_heads for lvl in model.levels]}, embed dim "
-        f"{model.feature_info[0]['num_chs']}, kernel {attn[0].kernel_size}, "
-        f"layer scale {'yes' if model.levels[0].blocks[0].gamma1 is not None else 'no'}, "
-        f"relative positional bias {'yes' if attn[0].rpb is not None else 'no'}",
-        f"- Dilations per level: {dilations}",
+        f"- Config: {_config_line(model)}",
         f"- Parameters: {params:.2f} M; GMACs at {size}x{size}: {gmacs:.2f}",
     ]
     if args.throughput:
@@ -52,12 +62,16 @@ def card(name: str, args) -> str:
     tags = timm.list_models(name, pretrained=True)
     for tag in tags:
         cfg = timm.get_pretrained_cfg(tag)
-        lines.append(f"- Pretrained `{tag}`: official weights, Hugging Face Hub "
-                     f"`{cfg.hf_hub_id}` (transformers layout, converted on load); "
-                     f"eval {cfg.input_size[-1]} px, {cfg.interpolation}, crop {cfg.crop_pct}; "
-                     f"license {cfg.license}")
+        source = f"Hugging Face Hub `{cfg.hf_hub_id}`" if cfg.hf_hub_id else f"`{cfg.url}`"
+        lines.append(f"- Pretrained `{tag}`: {source}; eval {cfg.input_size[-1]} px, "
+                     f"{cfg.interpolation}, crop {cfg.crop_pct}; license {cfg.license}")
+    for tag in timm.list_models(name, include_tags=True):
+        cfg = timm.get_pretrained_cfg(tag)
+        if tag not in tags and cfg.tag:
+            lines.append(f"- `{tag}`: official weights at {cfg.origin_url}, not downloadable "
+                         f"through timm; convert them with `attnzoo convert`")
     if not tags:
-        lines.append("- Pretrained: none")
+        lines.append("- Pretrained: no downloadable weights")
     return "\n".join(lines) + "\n"
 
 
@@ -71,7 +85,7 @@ def main() -> int:
     args.where = (f"{platform.processor() or platform.machine()}, "
                   f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")
     cards = []
-    names = list_attnzoo_models()
+    names = attnzoo.list_models()
     for i, name in enumerate(names):
         print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
         cards.append(card(name, args))

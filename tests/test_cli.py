@@ -6,7 +6,8 @@ import torch
 import attnzoo
 from attnzoo import cli
 from attnzoo.ops import na2d
-from attnzoo.profiling import count_macs, count_params, list_attnzoo_models
+from attnzoo.profiling import count_macs, count_params
+from attnzoo import list_models as list_attnzoo_models
 
 # GMACs at 224x224 from the NAT/DiNAT papers (fvcore convention), ../shared/specs/nat.md.
 PAPER_GMACS = {"nat_mini": 2.70, "nat_tiny": 4.30, "nat_small": 7.78, "nat_base": 13.68,

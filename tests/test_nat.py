@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
+from timm.layers import LayerScale
 from attnzoo.layers import NeighborhoodAttention2d
 from attnzoo.models.nat import NAT, checkpoint_filter_fn
 from attnzoo.profiling import count_params
 from hub_cache import offline_hf_cache, write_hf_cache
-from timm_suite.hf_cache import nat_to_transformers as to_transformers_layout
+from checkpoint_layouts import nat_official_manifest, nat_official_to_transformers, nat_to_official
+from checkpoint_layouts import nat_to_transformers as to_transformers_layout
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,26 +72,27 @@ def test_param_count_11x11():
     depths, heads = (3, 4, 18, 5), (6, 12, 24, 48)
     extra = sum(d * h for d, h in zip(depths, heads)) * ((2 * 11 - 1) ** 2 - (2 * 7 - 1) ** 2)
     assert count_params(big) - count_params(large) == extra
-    assert big.levels[0].blocks[0].attn.rpb.shape == (6, 21, 21)
+    assert big.stages[0].blocks[0].attn.rpb.shape == (6, 21, 21)
 
 
 def test_variant_configs():
     dinat = _meta('dinat_tiny')
-    dil = [[b.attn.dilation for b in lvl.blocks] for lvl in dinat.levels]
+    dil = [[b.attn.dilation for b in lvl.blocks] for lvl in dinat.stages]
     assert dil == [[1, 8, 1], [1, 4, 1, 4], [1, 2] * 9, [1] * 5]
     mini = _meta('dinat_mini')
-    assert [[b.attn.dilation for b in lvl.blocks] for lvl in mini.levels] == [
+    assert [[b.attn.dilation for b in lvl.blocks] for lvl in mini.stages] == [
         [1, 8, 1], [1, 4, 1, 4], [1, 2, 1, 2, 1, 2], [1] * 5]
     d384 = _meta('dinat_large_384')
-    assert [[b.attn.dilation for b in lvl.blocks] for lvl in d384.levels] == [
+    assert [[b.attn.dilation for b in lvl.blocks] for lvl in d384.stages] == [
         [1, 13, 1], [1, 6, 1, 6], [1, 3] * 9, [1] * 5]
-    assert all(b.attn.kernel_size == 11 for lvl in _meta('dinat_large_11x11_384').levels
+    assert all(b.attn.kernel_size == 11 for lvl in _meta('dinat_large_11x11_384').stages
                for b in lvl.blocks)
     # layer scale: NAT-Small/Base and DiNAT-Base, not DiNAT-Small
     for name, has in (('nat_small', True), ('nat_base', True), ('dinat_small', False),
                       ('dinat_base', True), ('nat_mini', False), ('dinat_large', False)):
-        block = _meta(name).levels[0].blocks[0]
-        assert (block.gamma1 is not None) == has, name
+        block = _meta(name).stages[0].blocks[0]
+        assert isinstance(block.ls1, LayerScale) == has, name
+        assert isinstance(block.ls2, LayerScale) == has, name
     cfg = timm.get_pretrained_cfg('nat_mini.in1k').to_dict()
     assert cfg['hf_hub_id'] == 'shi-labs/nat-mini-in1k-224'
     assert cfg['interpolation'] == 'bicubic' and cfg['crop_pct'] == 0.875
@@ -123,7 +126,7 @@ def test_output_shapes(dinat_mini, size):
         logits = dinat_mini.forward_head(feats)
         inter = dinat_mini.forward_intermediates(x, intermediates_only=True)
     sizes = _level_sizes(*size)
-    assert feats.shape == (2, *sizes[-1], 512)  # NHWC, unpooled
+    assert feats.shape == (2, 512, *sizes[-1])  # NCHW, unpooled
     assert logits.shape == (2, 11) and torch.isfinite(logits).all()
     assert [tuple(t.shape) for t in inter] == [
         (2, 64 * 2 ** i, *hw) for i, hw in enumerate(sizes)]
@@ -220,35 +223,62 @@ def test_head_contract():
     x = torch.randn(2, 3, 48, 40)
     with torch.no_grad():
         feats = model.forward_features(x)
+        assert feats.shape == (2, model.num_features, 2, 2)  # NCHW, unpooled
         pre = model.forward_head(feats, pre_logits=True)
-        torch.testing.assert_close(pre, feats.mean((1, 2)))  # official head: mean over H, W
-        torch.testing.assert_close(model(x), model.head(pre))
+        torch.testing.assert_close(pre, feats.mean((2, 3)))  # official head: mean over H, W
+        torch.testing.assert_close(model(x), model.get_classifier()(pre))
         torch.testing.assert_close(model(x.contiguous(memory_format=torch.channels_last)),
                                    model(x))
-        assert model.get_classifier() is model.head
+        assert model.get_classifier() is model.head.fc
         model.reset_classifier(0)
         assert model(x).shape == (2, model.num_features) == (2, model.head_hidden_size)
-        model.reset_classifier(3, '')
-        assert model(x).shape == (2, *feats.shape[1:3], 3)
+        model.reset_classifier(0, '')
+        torch.testing.assert_close(model(x), feats)  # no pooling, no classifier
         model.reset_classifier(0, 'catavgmax')
-        assert model(x).shape == (2, 2 * model.num_features)
-    assert {'levels.0.blocks.0.attn.rpb'} <= model.no_weight_decay()
+        assert model(x).shape == (2, 2 * model.num_features) == (2, model.head_hidden_size)
+    assert {'stages.0.blocks.0.attn.rpb'} <= model.no_weight_decay()
     assert all(n.endswith('.rpb') for n in model.no_weight_decay())
     from timm.models._manipulate import group_parameters
     groups = group_parameters(model, model.group_matcher(), reverse=True)
-    order = ['patch_embed.proj.0.weight', 'levels.0.blocks.0.attn.qkv.weight',
-             'levels.0.downsample.reduction.weight', 'levels.1.blocks.0.norm1.weight',
+    order = ['stem.conv1.weight', 'stages.0.blocks.0.attn.qkv.weight',
+             'stages.1.downsample.conv.weight', 'stages.1.blocks.0.norm1.weight',
              'norm.weight']
-    assert [groups[n] for n in order] == sorted(set(groups[n] for n in order))
+    ids = [groups[n] for n in order]
+    # layer-decay order: stem < stage 0 < stage 1 (its downsample with its first block) < norm
+    assert ids == sorted(ids) and len(set(ids)) == 4 and ids[2] == ids[3]
 
 
-def test_features_only():
+def test_module_tree_follows_timm_layout():
+    model = _tiny(layer_scale=1e-5)
+    names = [n for n, _ in model.named_children()]
+    assert names == ['stem', 'stages', 'norm', 'head']
+    assert isinstance(model.stages[0].downsample, torch.nn.Identity)
+    block = model.stages[1].blocks[0]
+    assert [n for n, _ in block.named_children()] == [
+        'norm1', 'attn', 'ls1', 'drop_path1', 'norm2', 'mlp', 'ls2', 'drop_path2']
+    assert isinstance(model.head, timm.layers.ClassifierHead)
+    assert [f['module'] for f in model.feature_info] == [f'stages.{i}' for i in range(4)]
+
+
+@pytest.mark.parametrize('feature_cls', [None, 'getter', 'hook', 'fx'])
+def test_features_only_every_feature_cls(feature_cls, tmp_path):
+    """Every timm feature extractor returns the same NCHW taps: each stage's output."""
+    kwargs = {} if feature_cls is None else dict(feature_cls=feature_cls)
     torch.manual_seed(0)
-    model = timm.create_model('dinat_mini', features_only=True, out_indices=(1, 3)).eval()
+    source = timm.create_model('dinat_mini').eval()
+    torch.save(source.state_dict(), tmp_path / 'weights.pth')
+    model = timm.create_model('dinat_mini', features_only=True, out_indices=(1, 3), pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'weights.pth')),
+                              **kwargs).eval()
     assert model.feature_info.channels() == [128, 512]
     assert model.feature_info.reduction() == [8, 32]
-    outs = model(torch.randn(2, 3, 64, 96))
+    x = torch.randn(2, 3, 64, 96)
+    with torch.no_grad():
+        outs = model(x)
+        expected = source.forward_intermediates(x, indices=(1, 3), intermediates_only=True)
     assert [tuple(o.shape) for o in outs] == [(2, 128, 8, 12), (2, 512, 2, 3)]
+    for o, e in zip(outs, expected):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
     full = timm.create_model('nat_mini', features_only=True, device='meta')
     assert full.feature_info.channels() == [64, 128, 256, 512]
     assert full.feature_info.reduction() == [4, 8, 16, 32]
@@ -264,16 +294,15 @@ def test_forward_intermediates_and_prune():
         for a, b in zip(inter, nhwc):
             torch.testing.assert_close(a, b.permute(0, 3, 1, 2))
         normed = model.forward_intermediates(x, indices=1, norm=True, intermediates_only=True)
-        torch.testing.assert_close(normed[0], model.forward_features(x).permute(0, 3, 1, 2))
+        torch.testing.assert_close(normed[0], model.forward_features(x))
         for i in range(4):
             early = model.forward_intermediates(x, indices=[i], stop_early=True,
                                                 intermediates_only=True)
             torch.testing.assert_close(early[0], inter[i], rtol=0, atol=0)
             pruned = copy.deepcopy(model)
             take = pruned.prune_intermediate_layers([i], prune_norm=True)
-            torch.testing.assert_close(
-                pruned.forward_features(x).permute(0, 3, 1, 2), inter[i], rtol=0, atol=0)
-            assert pruned(x).shape == inter[i].permute(0, 2, 3, 1).shape  # head and pool gone
+            torch.testing.assert_close(pruned.forward_features(x), inter[i], rtol=0, atol=0)
+            assert pruned(x).shape == inter[i].shape  # head and pool gone
             pruned.reset_classifier(0, 'avg')
             assert pruned(x).shape == (2, model.feature_info[i]['num_chs'])
             assert pruned.forward_intermediates(x, indices=take, intermediates_only=True)[0].shape \
@@ -355,36 +384,68 @@ def test_filter_transformers_layout_round_trip(prefix):
 def test_filter_official_layout_and_wrappers():
     model = _tiny(layer_scale=1e-5)
     sd = model.state_dict()
-    for wrapped in (sd, {'state_dict': sd}, {'model': sd},
-                    {'model': {'module.' + k: v for k, v in sd.items()}},
+    official = nat_to_official(sd)
+    assert any(k.startswith('levels.') for k in official) and 'head.weight' in official
+    for wrapped in (sd, official, {'state_dict': official}, {'model': sd},
+                    {'model': {'module.' + k: v for k, v in official.items()}},
                     {'module.' + k: v for k, v in sd.items()}):
         _assert_same_state(checkpoint_filter_fn(dict(wrapped), model), sd)
+
+
+# The official variants' configs, as in SHI-Labs' classification/nat.py and dinat.py.
+OFFICIAL_CONFIGS = {
+    'nat_mini': dict(embed_dim=64, depths=(3, 4, 6, 5), num_heads=(2, 4, 8, 16), mlp_ratio=3.),
+    'dinat_tiny': dict(embed_dim=64, depths=(3, 4, 18, 5), num_heads=(2, 4, 8, 16),
+                       mlp_ratio=3.),
+    'nat_base': dict(embed_dim=128, depths=(3, 4, 18, 5), num_heads=(4, 8, 16, 32),
+                     mlp_ratio=2., layer_scale=True),
+}
+
+
+@pytest.mark.parametrize('name', sorted(OFFICIAL_CONFIGS))
+def test_official_checkpoint_manifest_loads(name):
+    """A checkpoint with exactly the official key names and shapes (written from the official
+    code, tests/checkpoint_layouts.py) maps onto the model, raw, wrapped and in the transformers
+    layout, and nothing is left over or missing."""
+    manifest = nat_official_manifest(**OFFICIAL_CONFIGS[name])
+    gen = torch.Generator().manual_seed(0)
+    official = {k: torch.randn(shape, generator=gen) for k, shape in manifest.items()}
+    model = _meta(name)
+    converted = checkpoint_filter_fn({'state_dict': {'module.' + k: v for k, v in official.items()}},
+                                     model)
+    assert {k: tuple(v.shape) for k, v in converted.items()} == \
+        {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # every official tensor lands somewhere, unchanged
+    assert sorted(v.sum().item() for v in converted.values()) == \
+        sorted(v.sum().item() for v in official.values())
+    hf = checkpoint_filter_fn(nat_official_to_transformers(official, 'dinat.'), model)
+    _assert_same_state(hf, converted)
 
 
 def test_filter_reports_mismatches():
     model = _tiny()
     sd = model.state_dict()
     bad = dict(sd)
-    bad['levels.0.blocks.0.attn.bogus'] = torch.zeros(1)
-    del bad['levels.1.blocks.1.mlp.fc2.bias']
-    bad['levels.2.blocks.0.attn.rpb'] = torch.zeros(2, 7, 7)
+    bad['stages.0.blocks.0.attn.bogus'] = torch.zeros(1)
+    del bad['stages.1.blocks.1.mlp.fc2.bias']
+    bad['stages.2.blocks.0.attn.rpb'] = torch.zeros(2, 7, 7)
     with pytest.raises(ValueError) as info:
         checkpoint_filter_fn(bad, model)
     msg = str(info.value)
-    for text in ('levels.0.blocks.0.attn.bogus', 'levels.1.blocks.1.mlp.fc2.bias',
-                 'levels.2.blocks.0.attn.rpb: checkpoint (2, 7, 7) vs model (2, 5, 5)'):
+    for text in ('stages.0.blocks.0.attn.bogus', 'stages.1.blocks.1.mlp.fc2.bias',
+                 'stages.2.blocks.0.attn.rpb: checkpoint (2, 7, 7) vs model (2, 5, 5)'):
         assert text in msg
-    # a NAT checkpoint into a DiNAT-Small-like model with layer scale: gammas missing
-    with pytest.raises(ValueError, match='gamma1'):
-        checkpoint_filter_fn(sd, _tiny(layer_scale=1e-5))
+    # a NAT checkpoint into a model with layer scale: gammas missing
+    with pytest.raises(ValueError, match='ls1.gamma'):
+        checkpoint_filter_fn(nat_to_official(sd), _tiny(layer_scale=1e-5))
     # transformers layout with a lost projection
     hf = to_transformers_layout(sd)
     del hf['nat.encoder.levels.0.layers.0.attention.self.key.weight']
     with pytest.raises(ValueError, match='key'):
         checkpoint_filter_fn(hf, model)
     # the classifier and the stem's input channels are left for timm to adapt
-    sd5 = dict(sd, **{'head.weight': torch.zeros(5, 128), 'head.bias': torch.zeros(5)})
-    sd5['patch_embed.proj.0.weight'] = torch.zeros(8, 1, 3, 3)
+    sd5 = dict(sd, **{'head.fc.weight': torch.zeros(5, 128), 'head.fc.bias': torch.zeros(5)})
+    sd5['stem.conv1.weight'] = torch.zeros(8, 1, 3, 3)
     checkpoint_filter_fn(sd5, model)
 
 
@@ -410,8 +471,8 @@ def test_pretrained_from_offline_hub_cache(hf_cache, tmp_path):
     # as timm's test_model_load_pretrained / test_model_features_pretrained
     adapted = timm.create_model('nat_mini.in1k', pretrained=True, in_chans=1, num_classes=5)
     assert adapted(torch.randn(1, 1, 32, 32)).shape == (1, 5)
-    torch.testing.assert_close(adapted.levels[2].blocks[0].attn.rpb,
-                               source.levels[2].blocks[0].attn.rpb)
+    torch.testing.assert_close(adapted.stages[2].blocks[0].attn.rpb,
+                               source.stages[2].blocks[0].attn.rpb)
     feats = timm.create_model('nat_mini.in1k', pretrained=True, features_only=True).eval()
     with torch.no_grad():
         expected = source.forward_intermediates(x, intermediates_only=True)

@@ -5,7 +5,7 @@ import timm
 import torch
 
 import attnzoo
-from attnzoo.ops import neighborhood
+from attnzoo import backends
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +53,12 @@ def test_channels_last_input(nat_mini):
 
 def test_backend_switch_reaches_every_layer(nat_mini, monkeypatch):
     calls = []
-    real = dict(neighborhood._IMPLS)
-    monkeypatch.setitem(neighborhood._IMPLS, "torch",
-                        lambda *a: calls.append("torch") or real["torch"](*a))
+    op = backends._OPS["na2d"]
+    torch_impl = op.backends["torch"].impl
+    spied = dict(op.backends, torch=backends.Backend(
+        lambda *a: calls.append("torch") or torch_impl(*a)))
+    monkeypatch.setitem(backends._OPS, "na2d", op._replace(backends=spied))
+    backends._resolve.cache_clear()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad(), attnzoo.use_backend("torch"):
         nat_mini(x)

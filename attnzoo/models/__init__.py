@@ -1,2 +1,53 @@
-"""Model families; importing a module registers its models with timm."""
+"""attnzoo's model families; importing a family's module registers its models with timm.
+
+The model policy: every family follows it, so a user who knows one timm model knows ours.
+
+Module tree, in timm's layout and names
+    ``stem`` (image -> first stage), ``stages.{i}`` (``downsample`` first, an identity where the
+    stem already reduced, then ``blocks.{j}``), ``norm`` (the final norm of the last stage) and
+    ``head`` (timm's ``ClassifierHead``: ``head.fc``). A stage takes and returns NCHW maps
+    (blocks may work on NHWC inside), so its output *is* its feature tap: ``feature_info[i]``
+    names ``stages.{i}`` with its channels and reduction, and ``features_only=True`` returns the
+    same NCHW maps with every ``feature_cls`` (the default list, ``'hook'``, ``'fx'``,
+    ``'getter'``). Blocks use timm's names: ``norm1``, ``attn``, ``ls1`` (``LayerScale``,
+    ``ls1.gamma``), ``drop_path1``, ``norm2``, ``mlp`` (``Mlp``: ``fc1``/``fc2``), ``ls2``,
+    ``drop_path2``. Token models (QUEST-ViT) *are* timm's ``VisionTransformer``, changed only
+    through its ``attn_layer`` hook, with its exact state dict.
+
+Layers come from ``timm.layers`` (LayerNorm / LayerNorm2d, Mlp, DropPath, LayerScale,
+ClassifierHead, trunc_normal_, calculate_drop_path_rates); attention from
+:mod:`attnzoo.layers`, which dispatch to :mod:`attnzoo.ops` and so to every backend.
+
+Official checkpoints
+    The module tree never bends to an official key layout. Each family's
+    ``checkpoint_filter_fn(state_dict, model)`` converts every official layout (the original
+    training code, the transformers port, ...) onto it, and raises one ``ValueError`` listing
+    every missing, unexpected or mis-shaped key (``_helpers.check_state_dict``).
+    ``attnzoo.convert.load_official(model_name, path)`` is the one entry point over all of
+    them, with a family's own reader where the file is not a torch checkpoint.
+
+Pretrained cfgs
+    ``hf_hub_id`` / ``url`` only where those weights really exist; otherwise the tag names the
+    weights' origin (``origin_url``, ``paper_ids``) and ``pretrained=True`` raises a
+    ``ValueError`` saying how to convert and load the official file
+    (``pretrained_cfg_overlay=dict(file=...)``), never a silently random model
+    (``_helpers.build_model``). ``min_input_size`` is set where the architecture has one.
+
+The timm contract
+    ``forward_features`` (unpooled), ``forward_head(pre_logits=)``, ``forward_intermediates``
+    (``indices``, ``norm``, ``stop_early``, ``output_fmt``, ``intermediates_only``),
+    ``prune_intermediate_layers``, ``reset_classifier(num_classes, global_pool=None)``,
+    ``get_classifier``, ``set_grad_checkpointing``, ``group_matcher``, ``no_weight_decay``;
+    constructors pass ``device=`` / ``dtype=`` to every layer and reject unknown kwargs with
+    ``TypeError``; bad input raises a ``ValueError`` naming what is accepted
+    (``_helpers.check_image_input``). Variant functions default ``drop_path_rate`` to the
+    paper's training value (timm's ``--drop-path`` overrides it).
+
+Registration
+    ``@register_model`` from :mod:`attnzoo.models._registry` (timm's, plus the record behind
+    :func:`attnzoo.list_models`, the one definition of "our models").
+"""
+from ._registry import list_models, model_family
 from . import nat  # noqa: F401
+
+__all__ = ["list_models", "model_family"]

@@ -18,39 +18,42 @@ Papers:
 }
 
 Pretrained weights are the official ImageNet weights as published by SHI Labs on the Hugging Face
-Hub in the `transformers` layout (``shi-labs/nat-*`` / ``shi-labs/dinat-*``, MIT license); the
-checkpoint filter below maps them (and the official ``.pth`` layout) onto this model, whose
-state_dict keys are those of the official code.
+Hub in the `transformers` layout (``shi-labs/nat-*`` / ``shi-labs/dinat-*``, MIT license).
 
-Layout: the stem and levels run on NHWC tensors; ``forward_features`` returns the final,
-normalised, UNPOOLED NHWC map (``model.output_fmt == 'NHWC'``, as timm's Swin);
-``forward_head`` pools it. ``forward_intermediates`` / ``features_only`` return NCHW maps taken
-after each level's blocks, before its downsampler.
+Module tree (attnzoo's model policy, :mod:`attnzoo.models`): ``stem`` (two overlapping stride-2
+convs and a LayerNorm) -> ``stages.{0..3}`` (``downsample``, identity in stage 0, then
+``blocks``; NCHW in and out, NHWC inside) -> ``norm`` -> ``head`` (timm's ``ClassifierHead``).
+:func:`checkpoint_filter_fn` converts the official layouts (the original training code's
+``.pth`` and the transformers layout of the Hub repos) onto it.
 
-Input sizes: any ``H, W >= 1``. Each stride-2 conv gives ``ceil(H / 2)``, so level ``i`` sees
-``ceil(H / 2 ** (i + 2))``; where a level is smaller than ``kernel_size * dilation`` the attention
+Input sizes: any ``H, W >= 1``. Each stride-2 conv gives ``ceil(H / 2)``, so stage ``i`` sees
+``ceil(H / 2 ** (i + 2))``; where a stage is smaller than ``kernel_size * dilation`` the attention
 zero-pads its normalised input right/bottom up to that size and crops the result (the official
 runtime's rule), so official weights give official outputs at every size.
 """
+import re
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import (
+    ClassifierHead,
     DropPath,
+    LayerNorm2d,
+    LayerScale,
     Mlp,
-    SelectAdaptivePool2d,
     calculate_drop_path_rates,
     get_device_dtype,
     trunc_normal_,
 )
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models import register_notrace_function
+from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint_seq
 
 from ..layers import NeighborhoodAttention2d
+from ._helpers import build_model, check_image_input, check_state_dict, per_stage, unwrap_checkpoint
+from ._registry import register_model
 
 __all__ = ["NAT", "checkpoint_filter_fn"]
 
@@ -58,53 +61,36 @@ __all__ = ["NAT", "checkpoint_filter_fn"]
 _LN_EPS = 1e-5
 
 
-@register_notrace_function
-def check_image_input(x: torch.Tensor, in_chans: int) -> torch.Tensor:
-    """Reject non-image input with a clear error (a plain function: FX keeps it as a leaf)."""
-    if x.dim() != 4:
-        raise ValueError(f"NAT expects a 4-D NCHW image batch [B, in_chans, H, W], got a "
-                         f"{x.dim()}-D tensor of shape {list(x.shape)}")
-    if x.shape[1] != in_chans:
-        raise ValueError(f"NAT was built with in_chans={in_chans} but the input has "
-                         f"{x.shape[1]} channels (shape {list(x.shape)}); pass in_chans= "
-                         f"to create_model to change it")
-    return x
-
-
-class ConvTokenizer(nn.Module):
-    """Stem: two overlapping 3x3 stride-2 convs (no activation between), LayerNorm on NHWC."""
+class Stem(nn.Module):
+    """Two overlapping 3x3 stride-2 convs (no activation between), LayerNorm; NCHW out."""
 
     def __init__(self, in_chans: int = 3, embed_dim: int = 64, device=None, dtype=None):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
-        self.proj = nn.Sequential(
-            nn.Conv2d(in_chans, embed_dim // 2, kernel_size=3, stride=2, padding=1, **dd),
-            nn.Conv2d(embed_dim // 2, embed_dim, kernel_size=3, stride=2, padding=1, **dd),
-        )
-        self.norm = nn.LayerNorm(embed_dim, eps=_LN_EPS, **dd)
+        self.conv1 = nn.Conv2d(in_chans, embed_dim // 2, 3, stride=2, padding=1, **dd)
+        self.conv2 = nn.Conv2d(embed_dim // 2, embed_dim, 3, stride=2, padding=1, **dd)
+        self.norm = LayerNorm2d(embed_dim, eps=_LN_EPS, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(x).permute(0, 2, 3, 1))  # NCHW -> NHWC
+        return self.norm(self.conv2(self.conv1(x)))
 
 
-class ConvDownsampler(nn.Module):
-    """Between levels: overlapping 3x3 stride-2 conv (no bias) doubling channels, LayerNorm."""
+class Downsample(nn.Module):
+    """Between stages: overlapping 3x3 stride-2 conv (no bias) doubling channels, LayerNorm."""
 
-    def __init__(self, dim: int, out_dim: Optional[int] = None, device=None, dtype=None):
+    def __init__(self, dim: int, out_dim: int, device=None, dtype=None):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
-        out_dim = out_dim or 2 * dim
-        self.reduction = nn.Conv2d(dim, out_dim, kernel_size=3, stride=2, padding=1, bias=False,
-                                   **dd)
-        self.norm = nn.LayerNorm(out_dim, eps=_LN_EPS, **dd)
+        self.conv = nn.Conv2d(dim, out_dim, 3, stride=2, padding=1, bias=False, **dd)
+        self.norm = LayerNorm2d(out_dim, eps=_LN_EPS, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.reduction(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
-        return self.norm(x)
+        return self.norm(self.conv(x))
 
 
 class NATBlock(nn.Module):
-    """Pre-norm transformer block with neighborhood attention; optional layer scale."""
+    """Pre-norm transformer block with neighborhood attention on NHWC maps; optional layer
+    scale."""
 
     def __init__(
             self,
@@ -130,76 +116,50 @@ class NATBlock(nn.Module):
             dim, num_heads, kernel_size=kernel_size, dilation=dilation, qkv_bias=qkv_bias,
             rel_pos_bias=rel_pos_bias, attn_drop=attn_drop, proj_drop=proj_drop, backend=backend,
             **dd)
-        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+        self.ls1 = LayerScale(dim, layer_scale, **dd) if layer_scale is not None else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=_LN_EPS, **dd)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop, **dd)
-        # gamma1/gamma2 are plain [dim] parameters (official key names), only with layer scale.
-        if layer_scale is not None:
-            self.gamma1 = nn.Parameter(torch.full((dim,), float(layer_scale), **dd))
-            self.gamma2 = nn.Parameter(torch.full((dim,), float(layer_scale), **dd))
-        else:
-            self.register_parameter('gamma1', None)
-            self.register_parameter('gamma2', None)
+        self.ls2 = LayerScale(dim, layer_scale, **dd) if layer_scale is not None else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gamma1 is not None and self.gamma2 is not None:
-            x = x + self.drop_path(self.gamma1 * self.attn(self.norm1(x)))
-            x = x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x)))
-        else:
-            x = x + self.drop_path(self.attn(self.norm1(x)))
-            x = x + self.drop_path(self.mlp(self.norm2(x)))
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
 
 
-class NATLevel(nn.Module):
-    """A level: ``blocks`` at one resolution, then (all but the last level) ``downsample``."""
+class NATStage(nn.Module):
+    """``downsample`` (identity in stage 0), then ``blocks`` on NHWC; takes and returns NCHW, so
+    a stage's output is its feature tap for every feature extractor (hooks and FX included)."""
 
     def __init__(
             self,
+            in_dim: int,
             dim: int,
             depth: int,
-            num_heads: int,
-            kernel_size: int,
-            dilations: Sequence[int],
             downsample: bool,
-            mlp_ratio: float,
-            qkv_bias: bool,
-            rel_pos_bias: bool,
-            proj_drop: float,
-            attn_drop: float,
+            dilations: Sequence[int],
             drop_path: Sequence[float],
-            layer_scale: Optional[float],
-            backend: Optional[str],
             device=None,
             dtype=None,
+            **block_kwargs,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
         self.grad_checkpointing = False
+        self.downsample = Downsample(in_dim, dim, **dd) if downsample else nn.Identity()
         self.blocks = nn.Sequential(*[
-            NATBlock(
-                dim, num_heads, kernel_size=kernel_size, dilation=dilations[j],
-                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, rel_pos_bias=rel_pos_bias,
-                proj_drop=proj_drop, attn_drop=attn_drop, drop_path=drop_path[j],
-                layer_scale=layer_scale, backend=backend, **dd)
+            NATBlock(dim, dilation=dilations[j], drop_path=drop_path[j], **block_kwargs, **dd)
             for j in range(depth)])
-        self.downsample = ConvDownsampler(dim, 2 * dim, **dd) if downsample else nn.Identity()
-
-    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint_seq(self.blocks, x)
-        return self.blocks(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.downsample(self.forward_blocks(x))
-
-
-def _per_level(value: Any, num_levels: int, name: str) -> List[Any]:
-    if isinstance(value, (list, tuple)):
-        if len(value) != num_levels:
-            raise ValueError(f"{name} needs one entry per level ({num_levels}), got {value!r}")
-        return list(value)
-    return [value] * num_levels
+        x = self.downsample(x).permute(0, 2, 3, 1)  # NCHW -> NHWC (a view: channels-last strides)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return x.permute(0, 3, 1, 2)
 
 
 class NAT(nn.Module):
@@ -209,11 +169,12 @@ class NAT(nn.Module):
         in_chans: input image channels.
         num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
         global_pool: ``'avg'`` (official), any timm ``SelectAdaptivePool2d`` type, or ``''``.
-        embed_dim: channels of level 0; level ``i`` has ``embed_dim * 2 ** i``.
-        depths: blocks per level.
-        num_heads: heads per level.
-        kernel_size: neighborhood size, one int or one per level.
-        dilations: ``None`` (NAT: all 1), or per level an int or a list with one per block (DiNAT).
+        embed_dim: channels of stage 0; stage ``i`` has ``embed_dim * 2 ** i``.
+        depths: blocks per stage.
+        num_heads: heads per stage.
+        kernel_size: neighborhood size, one int or one per stage.
+        dilations: ``None`` (NAT: all 1), or per stage an int or a list with one per block
+            (DiNAT).
         mlp_ratio: MLP hidden width / dim.
         qkv_bias: bias on the fused qkv projection.
         rel_pos_bias: learn relative positional biases ``rpb``.
@@ -221,7 +182,7 @@ class NAT(nn.Module):
         proj_drop_rate: dropout after attention / MLP projections.
         attn_drop_rate: attention-weight dropout (unsupported by the NA op: must be 0).
         drop_path_rate: stochastic depth, linear from 0 over all blocks.
-        layer_scale: initial value of gamma1/gamma2 (``None``: no layer scale).
+        layer_scale: initial value of the layer-scale gammas (``None``: no layer scale).
         backend: NA backend for every layer (``None``: follow :mod:`attnzoo.backends`).
     """
 
@@ -249,50 +210,38 @@ class NAT(nn.Module):
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
-        num_levels = len(depths)
-        if len(num_heads) != num_levels:
-            raise ValueError(
-                f"num_heads needs one entry per level ({num_levels}), got {num_heads!r}")
-        kernel_sizes = _per_level(kernel_size, num_levels, "kernel_size")
-        dilations = _per_level(1 if dilations is None else dilations, num_levels, "dilations")
-        for i, (d, depth) in enumerate(zip(dilations, depths)):
-            dilations[i] = _per_level(d, depth, f"dilations[{i}]")
+        num_stages = len(depths)
+        heads = per_stage(num_heads, num_stages, "num_heads")
+        kernel_sizes = per_stage(kernel_size, num_stages, "kernel_size")
+        dilations = per_stage(1 if dilations is None else dilations, num_stages, "dilations")
+        dilations = [per_stage(d, depth, f"dilations[{i}]")
+                     for i, (d, depth) in enumerate(zip(dilations, depths))]
         self.num_classes = num_classes
-        self.global_pool = global_pool  # replaced by the pooling module below
         self.in_chans = in_chans
         self.drop_rate = drop_rate
-        self.output_fmt = 'NHWC'
-        self.grad_checkpointing = False
+        self.output_fmt = 'NCHW'
 
-        self.patch_embed = ConvTokenizer(in_chans, embed_dim, **dd)
-        dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=False)
+        self.stem = Stem(in_chans, embed_dim, **dd)
+        dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
         self.feature_info = []
-        levels = []
-        dim, block = embed_dim, 0
-        for i in range(num_levels):
-            levels.append(NATLevel(
-                dim, depths[i], num_heads[i], kernel_size=kernel_sizes[i], dilations=dilations[i],
-                downsample=i < num_levels - 1, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-                rel_pos_bias=rel_pos_bias, proj_drop=proj_drop_rate, attn_drop=attn_drop_rate,
-                drop_path=dpr[block:block + depths[i]], layer_scale=layer_scale, backend=backend,
-                **dd))
-            # Taps are the blocks' output, before the level's downsampler.
-            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'levels.{i}'))
-            block += depths[i]
-            if i < num_levels - 1:
-                dim *= 2
-        self.levels = nn.Sequential(*levels)
-        self.num_features = self.head_hidden_size = dim
-        self.norm = nn.LayerNorm(dim, eps=_LN_EPS, **dd)
-
-        # Pooling and classifier are separate modules so the Linear keeps the official key
-        # ``head.{weight,bias}`` (timm's ClassifierHead would name it ``head.fc``).
-        self.global_pool = SelectAdaptivePool2d(
-            pool_type=global_pool, flatten=bool(global_pool), input_fmt=self.output_fmt)
-        self.head_hidden_size = self.num_features * self.global_pool.feat_mult()
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.head_hidden_size, num_classes, **dd) \
-            if num_classes > 0 else nn.Identity()
+        stages = []
+        in_dim = dim = embed_dim
+        for i in range(num_stages):
+            dim = embed_dim * 2 ** i
+            stages.append(NATStage(
+                in_dim, dim, depths[i], downsample=i > 0, dilations=dilations[i],
+                drop_path=dpr[i], num_heads=heads[i], kernel_size=kernel_sizes[i],
+                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, rel_pos_bias=rel_pos_bias,
+                proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, layer_scale=layer_scale,
+                backend=backend, **dd))
+            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
+            in_dim = dim
+        self.stages = nn.Sequential(*stages)
+        self.num_features = dim
+        self.norm = LayerNorm2d(dim, eps=_LN_EPS, **dd)
+        self.head = ClassifierHead(dim, num_classes, pool_type=global_pool, drop_rate=drop_rate,
+                                   **dd)
+        self.head_hidden_size = dim * self.head.global_pool.feat_mult()
         self.apply(self._init_weights)
 
     @staticmethod
@@ -302,9 +251,6 @@ class NAT(nn.Module):
             trunc_normal_(module.weight, std=.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -313,37 +259,32 @@ class NAT(nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         return dict(
-            stem=r'^patch_embed',
-            blocks=r'^levels\.(\d+)' if coarse else [
-                # a level's downsampler runs after its blocks
-                (r'^levels\.(\d+)\.downsample', (99998,)),
-                (r'^levels\.(\d+)\.blocks\.(\d+)', None),
+            stem=r'^stem',
+            blocks=r'^stages\.(\d+)' if coarse else [
+                (r'^stages\.(\d+)\.downsample', (0,)),
+                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
                 (r'^norm', (99999,)),
             ],
         )
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-        for level in self.levels:
-            level.grad_checkpointing = enable
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
-        return self.head
+        return self.head.fc
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        dd = get_device_dtype(self)
+        # A new head (not ClassifierHead.reset): its input width changes when stages are pruned.
+        if global_pool is None:
+            global_pool = self.head.global_pool.pool_type
         self.num_classes = num_classes
-        if global_pool is not None:
-            self.global_pool = SelectAdaptivePool2d(
-                pool_type=global_pool, flatten=bool(global_pool), input_fmt=self.output_fmt)
-        self.head_hidden_size = self.num_features * self.global_pool.feat_mult()
-        self.head = nn.Linear(self.head_hidden_size, num_classes, **dd) \
-            if num_classes > 0 else nn.Identity()
-        # new modules start in train mode: keep the model's mode
-        self.global_pool.train(self.training)
+        self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool,
+                                   drop_rate=self.drop_rate, **get_device_dtype(self))
         self.head.train(self.training)
+        self.head_hidden_size = self.num_features * self.head.global_pool.feat_mult()
 
     def forward_intermediates(
             self,
@@ -354,13 +295,13 @@ class NAT(nn.Module):
             output_fmt: str = 'NCHW',
             intermediates_only: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Forward returning each level's blocks output (before its downsampler).
+        """Forward returning each stage's output.
 
         Args:
             x: input images, NCHW.
-            indices: take the last n levels if int, all if None, or these levels.
-            norm: apply the final norm to the last level's intermediate.
-            stop_early: stop after the last level needed.
+            indices: take the last n stages if int, all if None, or these stages.
+            norm: apply the final norm to the last stage's intermediate.
+            stop_early: stop after the last stage needed.
             output_fmt: 'NCHW' or 'NHWC' intermediates.
             intermediates_only: return only the intermediates.
 
@@ -369,32 +310,25 @@ class NAT(nn.Module):
         """
         assert output_fmt in ('NCHW', 'NHWC'), 'Output format must be NCHW or NHWC.'
         intermediates = []
-        take_indices, max_index = feature_take_indices(len(self.levels), indices)
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
         x = check_image_input(x, self.in_chans)
-        x = self.patch_embed(x)
-
-        num_levels = len(self.levels)
+        x = self.stem(x)
+        last_idx = len(self.stages) - 1
         if torch.jit.is_scripting() or not stop_early:  # can't slice modules in torchscript
-            levels = self.levels
-            last = num_levels - 1
+            stages = self.stages
         else:
-            levels = self.levels[:max_index + 1]
-            last = max_index
-        i = 0
-        for i, level in enumerate(levels):
-            x = level.forward_blocks(x)
-            if i in take_indices:
-                x_inter = self.norm(x) if norm and i == num_levels - 1 else x
-                if output_fmt == 'NCHW':
-                    x_inter = x_inter.permute(0, 3, 1, 2).contiguous()
-                intermediates.append(x_inter)
-            if i < last:
-                x = level.downsample(x)
-
+            stages = self.stages[:max_index + 1]
+        feat_idx = 0
+        for feat_idx, stage in enumerate(stages):
+            x = stage(x)
+            if feat_idx in take_indices:
+                x_inter = self.norm(x) if norm and feat_idx == last_idx else x
+                intermediates.append(x_inter if output_fmt == 'NCHW'
+                                     else x_inter.permute(0, 2, 3, 1))
         if intermediates_only:
             return intermediates
-        if i == num_levels - 1:
-            x = self.norm(x)  # the final norm is sized for the last level only
+        if feat_idx == last_idx:
+            x = self.norm(x)  # the final norm is sized for the last stage only
         return x, intermediates
 
     def prune_intermediate_layers(
@@ -403,33 +337,29 @@ class NAT(nn.Module):
             prune_norm: bool = False,
             prune_head: bool = True,
     ) -> List[int]:
-        """Drop the levels (and norm / head) not needed for the intermediates ``indices``."""
-        take_indices, max_index = feature_take_indices(len(self.levels), indices)
-        prune_end = max_index < len(self.levels) - 1
+        """Drop the stages (and norm / head) not needed for the intermediates ``indices``."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[:max_index + 1]
         if prune_norm or prune_end:
             self.norm = nn.Identity()
-        self.levels = self.levels[:max_index + 1]
         if prune_end:
-            # features now end at the last tap: its downsampler would feed a removed level
-            self.levels[-1].downsample = nn.Identity()
-            self.num_features = self.head_hidden_size = self.feature_info[max_index]['num_chs']
+            self.num_features = self.feature_info[max_index]['num_chs']
         if prune_head or prune_end:
             self.reset_classifier(0, '')
         return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Final normalised feature map, NHWC and unpooled."""
+        """Final normalised feature map, NCHW and unpooled."""
         x = check_image_input(x, self.in_chans)
-        x = self.patch_embed(x)
-        x = self.levels(x)
+        x = self.stem(x)
+        x = self.stages(x)
         x = self.norm(x)
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Pool the NHWC map over H, W (official: mean), dropout, classifier."""
-        x = self.global_pool(x)
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
+        """Pool over H, W (official: mean), dropout, classifier."""
+        return self.head(x, pre_logits=pre_logits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.forward_features(x)
@@ -441,9 +371,9 @@ class NAT(nn.Module):
 # checkpoint conversion
 # --------------------------------------------------------------------------------------------
 
-_HF_PREFIXES = ('nat.', 'dinat.')
 # transformers' per-layer names -> official names (``attention.self.{query,key,value}`` are
 # concatenated into ``attn.qkv`` and ``layer_scale_parameters`` split into gamma1/gamma2 below).
+_HF_PREFIXES = ('nat.', 'dinat.')
 _HF_LAYER_MAP = (
     ('layernorm_before.', 'norm1.'),
     ('layernorm_after.', 'norm2.'),
@@ -460,12 +390,9 @@ _HF_TOP_MAP = (
 )
 
 
-def _is_hf_layout(state_dict: Dict[str, Any]) -> bool:
-    return any(k.startswith(_HF_PREFIXES + ('embeddings.', 'encoder.levels.')) for k in state_dict)
-
-
-def _convert_hf(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """transformers' NatForImageClassification / DinatForImageClassification layout -> official."""
+def _transformers_to_official(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """transformers' NatForImageClassification / DinatForImageClassification layout -> the
+    original training code's layout."""
     out: Dict[str, torch.Tensor] = {}
     qkv: Dict[str, Dict[str, torch.Tensor]] = {}
     for k, v in state_dict.items():
@@ -510,50 +437,50 @@ def _convert_hf(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NAT) -> Dict[str, torch.Tensor]:
-    """Map a NAT / DiNAT checkpoint onto ``model``'s state_dict keys.
+# The original training code's names -> ours: (pattern, replacement) on whole keys.
+_OFFICIAL_MAP = (
+    (r'^patch_embed\.proj\.0\.', 'stem.conv1.'),
+    (r'^patch_embed\.proj\.1\.', 'stem.conv2.'),
+    (r'^patch_embed\.norm\.', 'stem.norm.'),
+    (r'^levels\.(\d+)\.blocks\.(\d+)\.gamma1$', r'stages.\1.blocks.\2.ls1.gamma'),
+    (r'^levels\.(\d+)\.blocks\.(\d+)\.gamma2$', r'stages.\1.blocks.\2.ls2.gamma'),
+    (r'^levels\.(\d+)\.blocks\.', r'stages.\1.blocks.'),
+    (r'^head\.', 'head.fc.'),
+)
 
-    Accepts the official raw state_dict, a ``{'state_dict': ...}`` / ``{'model': ...}`` wrapper,
-    ``module.`` (DDP) prefixes, and the Hugging Face transformers layout of the ``shi-labs`` Hub
-    repos. Raises ``ValueError`` listing every key that is missing, unexpected or of the wrong
-    shape. The classifier (``head.*``) and the first conv's input channels are left for timm's
-    ``load_pretrained`` to adapt (num_classes / in_chans changes) and are not checked here.
-    """
-    for wrapper in ('state_dict', 'model', 'model_state'):
-        if isinstance(state_dict.get(wrapper, None), dict):
-            state_dict = state_dict[wrapper]
-    state_dict = {k[len('module.'):] if k.startswith('module.') else k: v
-                  for k, v in state_dict.items()}
-    if _is_hf_layout(state_dict):
-        state_dict = _convert_hf(state_dict)
 
-    expected = model.state_dict()
-    adaptable = lambda k: k.startswith('head.')  # noqa: E731
-    first_conv = 'patch_embed.proj.0.weight'
-    missing = sorted(k for k in expected if k not in state_dict and not adaptable(k))
-    unexpected = sorted(k for k in state_dict if k not in expected and not adaptable(k))
-    mismatched = []
+def _official_to_timm(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    out = {}
     for k, v in state_dict.items():
-        if k not in expected or adaptable(k):
+        # level i's trailing downsampler is stage i + 1's leading one
+        m = re.match(r'^levels\.(\d+)\.downsample\.(reduction|norm)\.(.+)$', k)
+        if m:
+            part = 'conv' if m.group(2) == 'reduction' else 'norm'
+            out[f'stages.{int(m.group(1)) + 1}.downsample.{part}.{m.group(3)}'] = v
             continue
-        want = tuple(expected[k].shape)
-        have = tuple(v.shape)
-        if have == want:
-            continue
-        if k == first_conv and len(have) == 4 and have[:1] + have[2:] == want[:1] + want[2:]:
-            continue  # in_chans differs: timm's load_pretrained adapts the stem conv
-        mismatched.append(f"{k}: checkpoint {have} vs model {want}")
-    if missing or unexpected or mismatched:
-        lines = []
-        if missing:
-            lines.append(f"missing from the checkpoint ({len(missing)}): {', '.join(missing)}")
-        if unexpected:
-            lines.append(f"not in the model ({len(unexpected)}): {', '.join(unexpected)}")
-        if mismatched:
-            lines.append(f"shape mismatch ({len(mismatched)}): {'; '.join(mismatched)}")
-        raise ValueError(f"checkpoint does not match {type(model).__name__} "
-                         "(wrong variant, kernel size or depth?):\n  " + "\n  ".join(lines))
-    return state_dict
+        for pattern, repl in _OFFICIAL_MAP:
+            k, n = re.subn(pattern, repl, k)
+            if n:
+                break
+        out[k] = v
+    return out
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NAT) -> Dict[str, torch.Tensor]:
+    """Map a NAT / DiNAT checkpoint onto ``model``'s state dict.
+
+    Accepts ours, the original training code's (``patch_embed.*``, ``levels.*``, ``gamma1``),
+    and the transformers layout of the ``shi-labs`` Hub repos, each raw or wrapped
+    (``{'state_dict' | 'model': ...}``, ``module.`` prefixes). Raises ``ValueError`` listing
+    every key that is missing, unexpected or of the wrong shape; the classifier and the stem's
+    input channels are left for timm to adapt (``num_classes`` / ``in_chans``).
+    """
+    state_dict = unwrap_checkpoint(state_dict)
+    if any(k.startswith(_HF_PREFIXES + ('embeddings.', 'encoder.levels.')) for k in state_dict):
+        state_dict = _transformers_to_official(state_dict)
+    if any(k.startswith(('patch_embed.', 'levels.')) for k in state_dict):
+        state_dict = _official_to_timm(state_dict)
+    return check_state_dict(state_dict, model, adaptable=('head.fc.',), first_conv='stem.conv1')
 
 
 # --------------------------------------------------------------------------------------------
@@ -563,13 +490,9 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NAT) -> Dict[str, to
 def _create_nat(variant: str, pretrained: bool, model_args: Dict[str, Any], **kwargs) -> NAT:
     kwargs = dict(model_args, **kwargs)  # the caller's kwargs override the variant's config
     out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (3, 4, 6, 5))))))
-    # features_only uses forward_intermediates (FeatureGetterNet): the taps sit inside a level
-    # (before its downsampler), which module-hook / flattened-Sequential extractors cannot reach.
-    return build_model_with_cfg(
-        NAT, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls='getter', out_indices=out_indices),
-        **kwargs)
+    return build_model(
+        NAT, variant, pretrained, filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices), **kwargs)
 
 
 def _cfg(hf_hub_id: str = '', **kwargs) -> Dict[str, Any]:
@@ -580,7 +503,7 @@ def _cfg(hf_hub_id: str = '', **kwargs) -> Dict[str, Any]:
         'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
         'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
         'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'patch_embed.proj.0', 'classifier': 'head',
+        'first_conv': 'stem.conv1', 'classifier': 'head.fc',
         'license': 'mit',
         **kwargs,
     }

@@ -19,10 +19,9 @@ dense masked attention. The index tables depend only on the shape and are cached
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from typing import Callable, ContextManager, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -345,20 +344,22 @@ def _auto_order(call: NACall) -> Tuple[str, ...]:
     return ("cuda", "natten", "torch") if call.device == "cuda" else ("torch",)
 
 
-_IMPLS = {"torch": na_reference, "natten": _na_natten, "cuda": _na_cuda}
+def _na_macs(q, k, v, kernel_size, dilation, rpb, scale) -> int:
+    """QK and AV, ``B * heads * tokens * head_dim * kernel_area`` each (fvcore's convention)."""
+    return q.shape[:-1].numel() * (q.shape[-1] + v.shape[-1]) * math.prod(kernel_size)
+
+
 for _n in (1, 2):
-    backends.register_op(f"na{_n}d", {"torch": lambda call: None, "natten": _natten_support,
-                                      "cuda": _cuda_support}, order=_auto_order, key_type=NACall)
+    backends.register_op(
+        f"na{_n}d", key_type=NACall, order=_auto_order, macs=_na_macs,
+        backends={"torch": backends.Backend(na_reference),
+                  "natten": backends.Backend(_na_natten, _natten_support),
+                  "cuda": backends.Backend(_na_cuda, _cuda_support)})
 
 
 # --------------------------------------------------------------------------------------------
 # public ops
 # --------------------------------------------------------------------------------------------
-
-# Context-manager factories entered around every NA call with its multiply-accumulates
-# (see attnzoo.profiling.count_macs); empty outside profiling.
-MAC_COUNTERS: List[Callable[[int], ContextManager]] = []
-
 
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
     ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, n)
@@ -367,14 +368,7 @@ def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, rpb))
     call = NACall(n, q.device.type, q.dtype, q.shape[-1], rpb is not None, grad)
-    impl = _IMPLS[backends.resolve(f"na{n}d", call, backend)]
-    if not MAC_COUNTERS:
-        return impl(q, k, v, ks, dil, rpb, scale)
-    macs = 2 * q.shape[:-1].numel() * q.shape[-1] * math.prod(ks)  # QK and AV
-    with contextlib.ExitStack() as stack:
-        for counter in MAC_COUNTERS:
-            stack.enter_context(counter(macs))
-        return impl(q, k, v, ks, dil, rpb, scale)
+    return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale)
 
 
 def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntOrTuple,

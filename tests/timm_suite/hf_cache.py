@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+import checkpoint_layouts  # tests/checkpoint_layouts.py
 from hub_cache import offline_hf_cache, write_hf_cache  # noqa: F401  (tests/hub_cache.py)
 
 from .fetch import file_lock
@@ -154,64 +155,7 @@ def ensure_pretrained(model_name: str, hub: Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------------
 # layouts of specific Hub repos
 
-# official NAT/DiNAT block names -> transformers' (inverse of attnzoo.models.nat._HF_LAYER_MAP)
-_NAT_BLOCK_TO_HF = (
-    ("norm1.", "layernorm_before."),
-    ("norm2.", "layernorm_after."),
-    ("attn.rpb", "attention.self.rpb"),
-    ("attn.proj.", "attention.output.dense."),
-    ("mlp.fc1.", "intermediate.dense."),
-    ("mlp.fc2.", "output.dense."),
-)
-_NAT_TOP_TO_HF = (
-    ("patch_embed.proj.", "embeddings.patch_embeddings.projection."),
-    ("patch_embed.norm.", "embeddings.norm."),
-    ("norm.", "layernorm."),
-)
-
-
 @register_layout(r"shi-labs/(nat|dinat)-")
 def _nat_to_transformers(state_dict: dict, model, repo_id: str) -> dict:
     prefix = "dinat." if repo_id.split("/", 1)[1].startswith("dinat-") else "nat."
-    return nat_to_transformers(state_dict, prefix)
-
-
-def nat_to_transformers(state_dict: dict, prefix: str = "nat.") -> dict:
-    """NAT/DiNAT (official names) -> transformers' Nat/DinatForImageClassification state dict:
-    ``{nat,dinat}.embeddings.patch_embeddings.projection.*``, ``.embeddings.norm.*``,
-    ``.encoder.levels.{i}.layers.{j}.{layernorm_before, attention.self.{query,key,value,rpb},
-    attention.output.dense, layernorm_after, intermediate.dense, output.dense,
-    layer_scale_parameters}``, ``.encoder.levels.{i}.downsample.{reduction,norm}.*``,
-    ``.layernorm.*``, ``classifier.*``. The inverse of the spec's key map, written independently
-    of ``attnzoo.models.nat``'s checkpoint filter, which the tests check it against."""
-    out, gammas = {}, {}
-    for k, v in state_dict.items():
-        m = re.match(r"levels\.(\d+)\.blocks\.(\d+)\.(.+)$", k)
-        if m:
-            i, j, name = m.groups()
-            layer = f"{prefix}encoder.levels.{i}.layers.{j}."
-            if name.startswith("attn.qkv."):
-                for part, t in zip(("query", "key", "value"), v.chunk(3, dim=0)):
-                    out[f"{layer}attention.self.{part}.{name.rsplit('.', 1)[1]}"] = t.clone()
-                continue
-            if name in ("gamma1", "gamma2"):
-                gammas.setdefault(layer, {})[name] = v
-                continue
-            for src, dst in _NAT_BLOCK_TO_HF:
-                if name.startswith(src):
-                    name = dst + name[len(src):]
-                    break
-            out[layer + name] = v
-        elif k.startswith("levels."):
-            out[f"{prefix}encoder.{k}"] = v  # levels.{i}.downsample.{reduction,norm}.*
-        elif k.startswith("head."):
-            out["classifier." + k[len("head."):]] = v
-        else:
-            for src, dst in _NAT_TOP_TO_HF:
-                if k.startswith(src):
-                    k = dst + k[len(src):]
-                    break
-            out[prefix + k] = v
-    for layer, g in gammas.items():
-        out[layer + "layer_scale_parameters"] = torch.stack([g["gamma1"], g["gamma2"]])
-    return out
+    return checkpoint_layouts.nat_to_transformers(state_dict, prefix)
