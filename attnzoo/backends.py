@@ -240,15 +240,15 @@ def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
     return choice
 
 
-# Context-manager factories ``observer(op, macs)`` entered around every dispatched call while
-# observe_ops() is active (profiling); empty otherwise, so dispatch pays one truth test.
-_observers: List[Callable[[str, int], ContextManager]] = []
+# Context-manager factories ``observer(op, backend, macs)`` entered around every dispatched call
+# while observe_ops() is active (profiling); empty otherwise, so dispatch pays one truth test.
+_observers: List[Callable[[str, str, int], ContextManager]] = []
 
 
 @contextlib.contextmanager
-def observe_ops(observer: Callable[[str, int], ContextManager]) -> Iterator[None]:
-    """Within the block, every op call runs inside ``observer(op_name, macs)``, ``macs`` being
-    the op's registered MAC formula for that call."""
+def observe_ops(observer: Callable[[str, str, int], ContextManager]) -> Iterator[None]:
+    """Within the block, every op call runs inside ``observer(op_name, backend, macs)``:
+    the backend that runs it and the op's registered MAC formula for that call."""
     _observers.append(observer)
     try:
         yield
@@ -260,10 +260,11 @@ def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
     """Run ``op`` for call ``key`` on the backend the selection rules give; ``args`` (already
     validated by the public op) go to the implementation unchanged."""
     spec = _OPS[op]
-    impl = spec.backends[resolve(op, key, backend)].impl
+    name = resolve(op, key, backend)
+    impl = spec.backends[name].impl
     if not _observers:
         return impl(*args)
     with contextlib.ExitStack() as stack:
         for observer in _observers:
-            stack.enter_context(observer(op, spec.macs(*args)))
+            stack.enter_context(observer(op, name, spec.macs(*args)))
         return impl(*args)

@@ -1,24 +1,65 @@
 """``attnzoo`` command line.
 
-``attnzoo list``                  the registered attnzoo models (and pretrained tags)
-``attnzoo bench [MODEL]``         params, GMACs and throughput per available backend, random input
+``attnzoo list [FILTER]``               the registered attnzoo models (``--pretrained``: their tags)
+``attnzoo bench [MODEL]``               params, GMACs and throughput per backend, random input
+``attnzoo convert MODEL CKPT OUT``      an official checkpoint -> safetensors timm loads
+``attnzoo timm SCRIPT.py [ARGS...]``    run one of timm's scripts with attnzoo's models registered
+
+A user's mistake (unknown model or backend, a size <= 0, a checkpoint that does not match) is
+reported in one line, argparse-style, with exit status 2 and no traceback.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import os
+import runpy
 import statistics
 import sys
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import backends
+from . import __version__, backends
+from .convert import load_official, save_converted
 from .models import list_models
 from .profiling import count_macs, count_params, time_steps
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-def _cmd_list(args) -> int:
-    for name in list_models(args.filter, pretrained=args.pretrained):
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _backend_list(text: str) -> List[str]:
+    try:
+        return [backends._check_name(name) for name in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _check_model(parser: argparse.ArgumentParser, name: str) -> None:
+    import timm
+    if timm.is_model(name.split(".", 1)[0]):
+        return
+    close = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; `attnzoo list` names ours"
+    parser.error(f"unknown model {name!r}{hint}")
+
+
+def _cmd_list(args, parser) -> int:
+    for name in list_models(args.filter, pretrained=args.pretrained, family=args.family):
         print(name)
     return 0
 
@@ -34,63 +75,146 @@ def _step(model, x, backward: bool):
     return infer
 
 
-def _cmd_bench(args) -> int:
+def _ops_used(model, x) -> Dict[str, str]:
+    """The attnzoo ops one forward runs, each with the backend that ran it."""
+    used: Dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def observer(op: str, backend: str, macs: int):
+        used[op] = backend
+        yield
+
+    with torch.no_grad(), backends.observe_ops(observer):
+        model(x[:1])
+    return used
+
+
+def _cmd_bench(args, parser) -> int:
     import timm
 
+    _check_model(parser, args.model)
     device = torch.device(args.device)
-    dtype = {"float32": torch.float32, "float16": torch.float16,
-             "bfloat16": torch.bfloat16}[args.dtype]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
+    dtype = _DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = timm.create_model(args.model, pretrained=False).to(device=device, dtype=dtype)
+    try:
+        model = timm.create_model(args.model, pretrained=False).to(device=device, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        parser.error(f"cannot build {args.model}: {e}")
     model.train(args.backward)
     size = args.img_size or model.pretrained_cfg["input_size"][-1]
     x = torch.randn(args.batch_size, 3, size, size, device=device, dtype=dtype)
+    try:
+        macs = count_macs(model, (1, 3, size, size))
+    except ValueError as e:  # e.g. an image below the architecture's minimum
+        parser.error(f"--img-size {size}: {e}")
     print(f"{args.model}: {count_params(model) / 1e6:.2f} M params, "
-          f"{count_macs(model, (1, 3, size, size)) / 1e9:.2f} GMACs at {size}x{size}", flush=True)
+          f"{macs / 1e9:.2f} GMACs at {size}x{size}", flush=True)
     print(f"throughput, batch {args.batch_size}, {args.dtype} on {device}, "
-          f"{'forward+backward' if args.backward else 'inference'}, {args.steps} steps:", flush=True)
-    for name in args.backends.split(","):
+          f"{'forward+backward' if args.backward else 'inference'}, {args.steps} steps:",
+          flush=True)
+    if not _ops_used(model, x):
+        rows = [None]  # no attnzoo op: the backend switch does not apply, one row says so
+    else:
+        rows = args.backends
+    for i, name in enumerate(rows):
+        label = "(no attnzoo ops: backends do not apply)" if name is None else name
+        print(f"  [{i + 1}/{len(rows)}] {label}: ", end="", flush=True)
         try:
-            with backends.use_backend(name):
+            with backends.use_backend(name) if name else contextlib.nullcontext():
+                picked = _ops_used(model, x) if name == "auto" else {}
                 seconds = statistics.median(time_steps(
                     _step(model, x, args.backward), device, args.warmup, args.steps))
         except backends.BackendUnsupportedError as e:
-            print(f"  {name:>6}: unavailable ({e})", flush=True)
+            print(f"unavailable ({e})", flush=True)
             continue
-        print(f"  {name:>6}: {args.batch_size / seconds:9.1f} img/s  "
-              f"({seconds * 1e3:.1f} ms/step)", flush=True)
+        chosen = f" [auto picked {', '.join(f'{op}: {b}' for op, b in picked.items())}]" \
+            if picked else ""
+        print(f"{args.batch_size / seconds:9.1f} img/s ({seconds * 1e3:.1f} ms/step){chosen}",
+              flush=True)
+    return 0
+
+
+def _cmd_convert(args, parser) -> int:
+    _check_model(parser, args.model)
+    try:
+        state_dict = load_official(args.model, args.checkpoint)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(f"{args.checkpoint}: {e}")
+    save_converted(state_dict, args.out)
+    print(f"wrote {args.out} ({len(state_dict)} tensors). Load it with timm.create_model("
+          f"'{args.model}', pretrained=True, pretrained_cfg_overlay=dict(file='{args.out}'))")
+    return 0
+
+
+def _cmd_timm(args, parser) -> int:
+    """Run a timm script as ``__main__`` with attnzoo's models registered. The installed timm
+    (already imported with attnzoo) serves the script even inside a timm clone, whose folder
+    Python would otherwise put first on sys.path."""
+    script = args.script
+    if not os.path.isfile(script):
+        parser.error(f"script {script!r} does not exist (timm's train.py, validate.py, "
+                     "benchmark.py and inference.py are in timm's GitHub repository)")
+    sys.argv = [script, *args.script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="list attnzoo models registered with timm")
     p.add_argument("filter", nargs="?", default="", help="wildcard, e.g. 'dinat_*'")
     p.add_argument("--pretrained", action="store_true", help="list pretrained tags")
-    p.set_defaults(func=_cmd_list)
+    p.add_argument("--family", default="", help="nat, qna_vit, san or quest_vit")
+    p.set_defaults(func=_cmd_list, parser=p)
 
     p = sub.add_parser("bench", help="params, GMACs and throughput per backend (random input)")
     p.add_argument("model", nargs="?", default="nat_tiny")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--img-size", type=int, default=None, help="default: the model's input size")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--backends", default="auto,torch,natten,cuda",
-                   help="comma-separated backends to time")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=8)
+    p.add_argument("--img-size", type=_int_at_least(1), default=None,
+                   help="default: the model's input size")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--backends", type=_backend_list, default=["auto", "torch", "natten", "cuda"],
+                   help="comma-separated backends to time (default: auto,torch,natten,cuda)")
+    p.add_argument("--steps", type=_int_at_least(1), default=5)
+    p.add_argument("--warmup", type=_int_at_least(0), default=1)
+    p.add_argument("--threads", type=_int_at_least(0), default=0,
+                   help="CPU threads (0: torch's default)")
     p.add_argument("--backward", action="store_true", help="time forward+backward")
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=_cmd_bench, parser=p)
+
+    p = sub.add_parser("convert", help="convert an official checkpoint to safetensors for timm")
+    p.add_argument("model", help="the attnzoo model the checkpoint belongs to")
+    p.add_argument("checkpoint", help="the official checkpoint file")
+    p.add_argument("out", help="output .safetensors path")
+    p.set_defaults(func=_cmd_convert, parser=p)
+
+    p = sub.add_parser("timm", help="run a timm script (train.py, validate.py, benchmark.py, "
+                                    "inference.py) with attnzoo's models registered")
+    p.add_argument("script", help="path of the script, e.g. pytorch-image-models/validate.py")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.set_defaults(func=_cmd_timm, parser=p)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args, args.parser)
 
 
 if __name__ == "__main__":

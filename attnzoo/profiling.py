@@ -28,7 +28,7 @@ def count_macs(model: torch.nn.Module, input_size: Sequence[int]) -> int:
     seen_flops, op_macs = [0], [0]
 
     @contextlib.contextmanager
-    def observer(op: str, macs: int):
+    def observer(op: str, backend: str, macs: int):
         before = counter.get_total_flops()
         yield
         seen_flops[0] += counter.get_total_flops() - before

@@ -58,15 +58,44 @@ def test_cli_bench_reports_every_backend(capsys):
     params = count_params(timm.create_model("nat_mini")) / 1e6
     assert f"nat_mini: {params:.2f} M params" in out
     assert "GMACs at 64x64" in out
-    for line in out.splitlines():
-        if line.strip().startswith(("auto:", "torch:")):
-            assert "img/s" in line
+    rows = [line.strip() for line in out.splitlines() if line.strip().startswith("[")]
+    assert [r.split(":")[0] for r in rows] == ["[1/4] auto", "[2/4] torch", "[3/4] natten",
+                                              "[4/4] cuda"]
+    assert "img/s" in rows[0] and "img/s" in rows[1]
+    assert "[auto picked na2d: torch]" in rows[0]  # auto names the backend it chose per op
     # NAT uses relative positional bias: NATTEN >= 0.20 and the unimplemented cuda backend
     # must say why they cannot run it rather than fall back.
-    assert "natten: unavailable" in out and "cuda: unavailable" in out
+    assert "unavailable" in rows[2] and "unavailable" in rows[3]
 
 
-def test_cli_rejects_unknown_backend():
-    with pytest.raises(ValueError, match="unknown backend"):
-        cli.main(["bench", "nat_mini", "--img-size", "32", "--steps", "1", "--warmup", "0",
-                  "--backends", "tpu"])
+def test_cli_bench_model_without_attnzoo_ops(capsys):
+    assert cli.main(["bench", "resnet18", "--img-size", "32", "--batch-size", "1", "--steps", "1",
+                     "--warmup", "0"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("[")]
+    assert len(rows) == 1 and "no attnzoo ops" in rows[0] and "img/s" in rows[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "nat_mni"], "unknown model 'nat_mni'; did you mean nat_mini"),
+    (["bench", "nat_mini", "--backends", "auto,tpu"], "unknown backend 'tpu'"),
+    (["bench", "nat_mini", "--img-size", "0"], "--img-size: must be >= 1, got 0"),
+    (["bench", "nat_mini", "--batch-size", "-1"], "--batch-size: must be >= 1"),
+    (["bench", "nat_mini", "--steps", "0"], "--steps: must be >= 1"),
+    (["bench", "nat_mini", "--steps", "many"], "--steps: invalid int value: 'many'"),
+    (["convert", "nat_mini", "/does/not/exist.pth", "out.safetensors"], "does not exist"),
+    (["timm", "/does/not/train.py"], "does not exist"),
+])
+def test_cli_user_errors_are_one_line_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("attnzoo")
+
+
+def test_cli_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"attnzoo {attnzoo.__version__}"
