@@ -42,7 +42,7 @@ import torch
 __all__ = [
     "BACKENDS", "ENV_VAR", "BackendUnsupportedError", "Backend", "set_backend", "get_backend",
     "use_backend", "register_op", "registered_ops", "dispatch", "resolve", "available_backends",
-    "supported_backends", "observe_ops",
+    "supported_backends", "observe_ops", "op_examples",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -126,11 +126,17 @@ class Backend(NamedTuple):
     support: Callable[[tuple], Optional[str]] = _always
 
 
+# ``examples(device, dtype)`` -> [(label, run)], ``run(backend)`` calling the public op at a
+# family's real shapes (fresh inputs that require grad): what benchmarks time.
+Examples = Callable[[torch.device, torch.dtype], List[Tuple[str, Callable[[str], torch.Tensor]]]]
+
+
 class _Op(NamedTuple):
     backends: Dict[str, Backend]
     order: Callable[[tuple], Sequence[str]]
     key_type: Callable[..., tuple]
     macs: Callable[..., int]
+    examples: Optional[Examples]
 
 
 _OPS: Dict[str, _Op] = {}
@@ -138,7 +144,8 @@ _OPS: Dict[str, _Op] = {}
 
 def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..., int],
                 key_type: Callable[..., tuple] = tuple,
-                order: Optional[Callable[[tuple], Sequence[str]]] = None) -> None:
+                order: Optional[Callable[[tuple], Sequence[str]]] = None,
+                examples: Optional[Examples] = None) -> None:
     """Register (or replace) op ``name``.
 
     Args:
@@ -150,6 +157,9 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
             where torch.compile needs one.
         order: ``order(key)`` lists the backends ``auto`` tries for that call, fastest first
             (default: the order of ``backends``).
+        examples: ``examples(device, dtype) -> [(label, run)]``: calls of the public op at the
+            families' real shapes, ``run(backend)`` returning its output (inputs require grad);
+            what ``scripts/bench_ops.py`` times.
     """
     unknown = set(backends) - set(BACKENDS[:-1])
     if unknown:
@@ -157,12 +167,20 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
                          f"accepted: {', '.join(BACKENDS[:-1])}")
     if "torch" not in backends:
         raise ValueError(f"op {name!r} must register the 'torch' reference backend")
-    _OPS[name] = _Op(dict(backends), order or (lambda key: tuple(backends)), key_type, macs)
+    _OPS[name] = _Op(dict(backends), order or (lambda key: tuple(backends)), key_type, macs,
+                     examples)
     _resolve.cache_clear()
 
 
 def registered_ops() -> Tuple[str, ...]:
     return tuple(sorted(_OPS))
+
+
+def op_examples(op: str, device: torch.device, dtype: torch.dtype
+                ) -> List[Tuple[str, Callable[[str], torch.Tensor]]]:
+    """The registered benchmark calls of ``op`` (empty if it registered none)."""
+    examples = _op(op).examples
+    return list(examples(device, dtype)) if examples is not None else []
 
 
 def _op(name: str) -> _Op:

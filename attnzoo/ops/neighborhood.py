@@ -349,9 +349,36 @@ def _na_macs(q, k, v, kernel_size, dilation, rpb, scale) -> int:
     return q.shape[:-1].numel() * (q.shape[-1] + v.shape[-1]) * math.prod(kernel_size)
 
 
+def _examples(n: int):
+    """NAT-tiny's stage shapes (224 px, batch 8: 56/28/14/7, heads 2/4/8/16, head dim 32, K 7,
+    RPB) and DiNAT's dilated ones; 1-D: a long sequence."""
+    if n == 2:
+        cases = [(f"nat_tiny s{i} 8x{56 >> i}x{56 >> i}x{2 << i}x32 k7",
+                  (8, 56 >> i, 56 >> i, 2 << i, 32), 7, 1) for i in range(4)]
+        cases += [("dinat s0 d8", (8, 56, 56, 2, 32), 7, 8),
+                  ("dinat s2 d2", (8, 14, 14, 8, 32), 7, 2)]
+    else:
+        cases = [("1d 8x4096x4x32 k13", (8, 4096, 4, 32), 13, 1),
+                 ("1d 8x4096x4x32 k13 d4", (8, 4096, 4, 32), 13, 4)]
+
+    def examples(device, dtype):
+        out = []
+        for label, shape, K, d in cases:
+            def run(backend, shape=shape, K=K, d=d):
+                q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+                           for _ in range(3))
+                rpb = torch.zeros((shape[-2],) + (2 * K - 1,) * n, device=device, dtype=dtype,
+                                  requires_grad=True)
+                fn = na2d if n == 2 else na1d
+                return fn(q, k, v, kernel_size=K, dilation=d, rpb=rpb, backend=backend)
+            out.append((label, run))
+        return out
+    return examples
+
+
 for _n in (1, 2):
     backends.register_op(
-        f"na{_n}d", key_type=NACall, order=_auto_order, macs=_na_macs,
+        f"na{_n}d", key_type=NACall, order=_auto_order, macs=_na_macs, examples=_examples(_n),
         backends={"torch": backends.Backend(na_reference),
                   "natten": backends.Backend(_na_natten, _natten_support),
                   "cuda": backends.Backend(_na_cuda, _cuda_support)})
