@@ -138,3 +138,91 @@ def nat_official_to_transformers(state_dict: Dict[str, torch.Tensor],
 def nat_to_transformers(state_dict: Dict[str, torch.Tensor], prefix: str = "nat.") -> Dict[str, torch.Tensor]:
     """attnzoo NAT -> the transformers layout of the shi-labs Hub repos."""
     return nat_official_to_transformers(nat_to_official(state_dict), prefix)
+
+
+# ---------------------------------------------------------------------------------------------
+# SAN (shared/specs/san.md; hszhao/SAN model/san.py: conv_in, bn_in, conv{i}, bn{i},
+# layer{i}.{j}.{bn1, sam, bn2, conv}, fc; tool/train.py saves {'epoch', 'state_dict', ...} of the
+# DDP-wrapped model, so every key carries 'module.')
+# ---------------------------------------------------------------------------------------------
+
+def _bn(prefix: str, c: int) -> Dict[str, Shape]:
+    return {prefix + "weight": (c,), prefix + "bias": (c,), prefix + "running_mean": (c,),
+            prefix + "running_var": (c,), prefix + "num_batches_tracked": ()}
+
+
+def san_official_manifest(depths: Sequence[int], sa_type: str,
+                          kernels: Sequence[int] = (3, 7, 7, 7, 7),
+                          widths: Sequence[int] = (64, 256, 512, 1024, 2048),
+                          stem: int = 64, num_classes: int = 1000) -> Dict[str, Shape]:
+    """Every key of the official model's state dict (without ``module.``), with its shape."""
+    keys: Dict[str, Shape] = {"conv_in.weight": (stem, 3, 1, 1), **_bn("bn_in.", stem)}
+    prev = stem
+    for i, (depth, c, k) in enumerate(zip(depths, widths, kernels)):
+        keys[f"conv{i}.weight"] = (c, prev, 1, 1)
+        keys.update(_bn(f"bn{i}.", c))
+        rel, mid = c // 16, c // 4
+        cw = mid // 8
+        for j in range(depth):
+            b = f"layer{i}.{j}."
+            keys.update(_bn(b + "bn1.", c))
+            for name, out in (("conv1", rel), ("conv2", rel), ("conv3", mid)):
+                keys[f"{b}sam.{name}.weight"] = (out, c, 1, 1)
+                keys[f"{b}sam.{name}.bias"] = (out,)
+            if sa_type == "pairwise":
+                keys.update(_bn(b + "sam.conv_w.0.", rel + 2))
+                keys[b + "sam.conv_w.2.weight"] = (rel, rel + 2, 1, 1)
+                keys.update(_bn(b + "sam.conv_w.3.", rel))
+                keys[b + "sam.conv_w.5.weight"] = (cw, rel, 1, 1)
+                keys[b + "sam.conv_w.5.bias"] = (cw,)
+                keys[b + "sam.conv_p.weight"] = (2, 2, 1, 1)
+                keys[b + "sam.conv_p.bias"] = (2,)
+            else:
+                keys.update(_bn(b + "sam.conv_w.0.", rel * (k * k + 1)))
+                keys[b + "sam.conv_w.2.weight"] = (cw, rel * (k * k + 1), 1, 1)
+                keys.update(_bn(b + "sam.conv_w.3.", cw))
+                keys[b + "sam.conv_w.5.weight"] = (k * k * cw, cw, 1, 1)
+                keys[b + "sam.conv_w.5.bias"] = (k * k * cw,)
+            keys.update(_bn(b + "bn2.", mid))
+            keys[b + "conv.weight"] = (c, mid, 1, 1)
+            keys[b + "conv.bias"] = (c,)
+        prev = c
+    keys["fc.weight"] = (num_classes, prev)
+    keys["fc.bias"] = (num_classes,)
+    return keys
+
+
+def san_to_official(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """attnzoo SAN (timm layout) -> the official names. The official ``bn{i}`` closes stage i;
+    attnzoo opens stage i + 1 with it (``stages.{i+1}.downsample.norm``), the last one is
+    ``norm``."""
+    last = max(int(k.split(".")[1]) for k in state_dict if k.startswith("stages."))
+    out = {}
+    for k, v in state_dict.items():
+        parts = k.split(".")
+        if parts[0] == "stem":
+            name = {"conv": "conv_in", "norm": "bn_in"}[parts[1]] + "." + ".".join(parts[2:])
+        elif parts[0] == "norm":
+            name = f"bn{last}." + ".".join(parts[1:])
+        elif parts[0] == "head":
+            assert parts[1] == "fc", k
+            name = "fc." + ".".join(parts[2:])
+        elif parts[2] == "downsample":
+            i = int(parts[1])
+            if parts[3] == "conv":
+                name = f"conv{i}." + ".".join(parts[4:])
+            else:
+                name = f"bn{i - 1}." + ".".join(parts[4:])
+        else:
+            i, j, module = parts[1], parts[3], parts[4]
+            module = {"norm1": "bn1", "attn": "sam", "norm2": "bn2", "conv": "conv"}[module]
+            name = f"layer{i}.{j}.{module}." + ".".join(parts[5:])
+        out[name] = v
+    return out
+
+
+def san_training_checkpoint(state_dict: Dict[str, torch.Tensor]) -> dict:
+    """What the official tool/train.py saves: the DDP model's state dict in a wrapper."""
+    return {"epoch": 100, "state_dict": {"module." + k: v for k, v in state_dict.items()},
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.0, "momentum": 0.9}]},
+            "top1_val": 0.0}
