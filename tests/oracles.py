@@ -55,3 +55,32 @@ def neighborhood_attention(q, k, v, K: int, d: int, rpb, scale: float) -> torch.
                     [rpb[:, (a - y) // d + K - 1, (b - x) // d + K - 1] for a, b in keys], -1)
             out[:, y, x] = torch.einsum("bhn,bnhd->bhd", logits.softmax(-1), vv)
     return out
+
+
+def reflect(i: int, n: int) -> int:
+    """nn.ReflectionPad2d's source index of position ``i`` on an axis of length ``n`` (the edge
+    is not repeated): ``-i`` below 0, ``2(n-1) - i`` past the end; one reflection only."""
+    if i < 0:
+        i = -i
+    if i >= n:
+        i = 2 * (n - 1) - i
+    assert 0 <= i < n, "a single reflection must land inside the map"
+    return i
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 0, x, torch.zeros_like(x))
+
+
+def batch_norm(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float,
+               training: bool) -> torch.Tensor:
+    """BatchNorm on channel dim 1: with batch statistics (biased variance) over every other dim
+    when ``training``, else the running ones."""
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    if training:
+        dims = [d for d in range(x.dim()) if d != 1]
+        mean = x.mean(dims, keepdim=True)
+        var = ((x - mean) ** 2).mean(dims, keepdim=True)
+    else:
+        mean, var = running_mean.view(shape), running_var.view(shape)
+    return (x - mean) / torch.sqrt(var + eps) * weight.view(shape) + bias.view(shape)

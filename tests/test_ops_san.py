@@ -16,6 +16,7 @@ from attnzoo import backends
 from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import san_aggregation, san_neighbours, san_subtraction, san_subtraction2
 from attnzoo.profiling import count_macs
+from oracles import reflect
 
 
 @pytest.fixture(autouse=True)
@@ -31,16 +32,6 @@ def _clean_backend_state(monkeypatch):
 # --------------------------------------------------------------------------------------------
 # the independent brute force
 # --------------------------------------------------------------------------------------------
-
-def reflect(i: int, n: int) -> int:
-    """nn.ReflectionPad2d's index: the edge is not repeated."""
-    if i < 0:
-        i = -i
-    if i >= n:
-        i = 2 * (n - 1) - i
-    assert 0 <= i < n, "a single reflection must land inside the map"
-    return i
-
 
 def taps(H, W, k, d, s):
     """For every output (ho, wo): the list of input (row, col) of its taps, row-major over
@@ -96,7 +87,8 @@ def brute_aggregation(x, w, k, d, s, mode):
 
 
 def test_reflection_by_hand():
-    """Guard the oracle itself: ReflectionPad2d's indices, and one worked aggregation."""
+    """Guard the oracle itself (oracles.reflect): ReflectionPad2d's indices, and one worked
+    aggregation."""
     assert [reflect(i, 5) for i in range(-3, 8)] == [3, 2, 1, 0, 1, 2, 3, 4, 3, 2, 1]
     ref = torch.nn.ReflectionPad2d(2)(torch.arange(20.).view(1, 1, 4, 5))
     assert all(ref[0, 0, r + 2, c + 2] == 5 * reflect(r, 4) + reflect(c, 5)
@@ -205,6 +197,10 @@ def test_gradcheck_tiny():
         fast_mode=True)
     assert torch.autograd.gradcheck(lambda x: san_subtraction(x, kernel_size=3, dilation=2), (x,),
                                     fast_mode=True)
+    # the aggregation's hand-written backward is made of differentiable ops: double backward
+    assert torch.autograd.gradgradcheck(
+        lambda x, w: san_aggregation(x, w, kernel_size=3, stride=2, dilation=(1, 2)), (x, w),
+        fast_mode=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],

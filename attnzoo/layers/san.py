@@ -76,7 +76,6 @@ def sa_neighbours(x: torch.Tensor, kernel_size: int, dilation: int, stride: int,
                           padding_mode=padding_mode)
 
 
-@register_notrace_function
 def sa_centre(x: torch.Tensor, stride: int) -> torch.Tensor:
     """``x`` at each output position (the footprint's centre), ``[N, C, 1, L]``."""
     return x[:, :, ::stride, ::stride].reshape(x.shape[0], x.shape[1], 1, -1)

@@ -143,23 +143,67 @@ def subtraction2_reference(x1: torch.Tensor, x2: torch.Tensor, fp: Footprint) ->
     return _centre(x1, fp) - _neighbours(x2, fp)
 
 
-def aggregation_reference(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
-    N, C, H, W = x.shape
-    Cw = weight.shape[1]
-    Ho, Wo = fp.out_size(H, W)
+def _taps(fp: Footprint, Ho: int, Wo: int):
+    """Per tap ``kk``: the slices of the padded map that tap reads for every output position."""
     (kh_size, kw_size), (dh, dw), (sh, sw) = fp.kernel_size, fp.dilation, fp.stride
-    # Channel c = g * Cw + cw uses weight channel cw = c % Cw.
-    xp = _pad(x, fp).view(N, C // Cw, Cw, H + 2 * fp.padding[0], W + 2 * fp.padding[1])
-    w = weight.view(N, 1, Cw, fp.taps, Ho, Wo)
-    out = None
     for kh in range(kh_size):
         for kw in range(kw_size):
-            # One tap for every output position: a strided view of the padded input.
-            tap = xp[:, :, :, kh * dh:kh * dh + (Ho - 1) * sh + 1:sh,
-                     kw * dw:kw * dw + (Wo - 1) * sw + 1:sw]
-            term = w[:, :, :, kh * kw_size + kw] * tap
-            out = term if out is None else out + term
-    return out.reshape(N, C, Ho, Wo)
+            yield kh * kw_size + kw, (slice(kh * dh, kh * dh + (Ho - 1) * sh + 1, sh),
+                                      slice(kw * dw, kw * dw + (Wo - 1) * sw + 1, sw))
+
+
+class _Aggregation(torch.autograd.Function):
+    """Tap by tap over strided views of the padded input, forward and backward, so that neither
+    builds the ``kk``-times larger unfolded copy of ``x`` (autograd through the views would
+    allocate a full-size gradient per tap). Channel ``c = g * Cw + cw`` uses weight ``cw``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.fp = fp
+        N, C, H, W = x.shape
+        Cw = weight.shape[1]
+        Ho, Wo = fp.out_size(H, W)
+        xp = _pad(x, fp)
+        xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
+        w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
+        out = torch.zeros(N, C // Cw, Cw, Ho, Wo, dtype=x.dtype, device=x.device)
+        for t, (rows, cols) in _taps(fp, Ho, Wo):
+            out.addcmul_(w[:, :, :, t], xp[..., rows, cols])
+        return out.view(N, C, Ho, Wo)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # differentiable ops only: double backward works
+        x, weight = ctx.saved_tensors
+        fp = ctx.fp
+        N, C, H, W = x.shape
+        Cw = weight.shape[1]
+        Ho, Wo = fp.out_size(H, W)
+        ph, pw = fp.padding
+        go = grad_out.reshape(N, C // Cw, Cw, Ho, Wo)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:
+            xp = _pad(x, fp)
+            xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
+            grad_w = weight.new_empty(N, Cw, fp.taps, Ho, Wo)
+            for t, (rows, cols) in _taps(fp, Ho, Wo):
+                grad_w[:, :, t] = (go * xp[..., rows, cols]).sum(1)
+            grad_w = grad_w.view(weight.shape)
+        if ctx.needs_input_grad[0]:
+            w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
+            gxp = x.new_zeros(N, C // Cw, Cw, H + 2 * ph, W + 2 * pw)
+            for t, (rows, cols) in _taps(fp, Ho, Wo):
+                gxp[..., rows, cols].addcmul_(w[:, :, :, t], go)
+            gxp = gxp.view(N, C, H + 2 * ph, W + 2 * pw)
+            if fp.padding_mode == "reflect":  # fold the reflected taps back onto their sources
+                grad_x = torch.ops.aten.reflection_pad2d_backward(gxp, x, [pw, pw, ph, ph])
+            else:
+                grad_x = gxp[:, :, ph:ph + H, pw:pw + W]
+        return grad_x, grad_w, None
+
+
+def aggregation_reference(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    return _Aggregation.apply(x, weight, fp)
 
 
 # --------------------------------------------------------------------------------------------
