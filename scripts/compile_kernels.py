@@ -5,7 +5,8 @@ The Triton interpreter (how CI checks the kernels' numbers on CPU) accepts progr
 compiler rejects (dot operands under 16, non-power-of-two blocks, unsupported layouts). This
 script runs the kernels' host code on meta tensors, captures every launch (kernel, arguments,
 block shapes) and compiles it with Triton's NVIDIA backend down to a cubin (ptxas ships with
-Triton), printing registers, spills and shared memory per kernel. No GPU or CUDA driver needed.
+Triton), printing registers, spills (stack) and shared memory per kernel, and failing where the
+shared memory exceeds what an A100 / H100 block can have. No GPU or CUDA driver needed.
 
     python scripts/compile_kernels.py                 # every case below, sm80 and sm90
     python scripts/compile_kernels.py --quick         # one 2-D case (what the test suite runs)
@@ -43,7 +44,11 @@ CASES = [
     ("2d fp16 k(3,9) d(2,1) dv48", (1, 24, 40, 2, 48), (3, 9), (2, 1), True, torch.float16),
     ("1d bf16 k13 d4", (2, 1, 4096, 4, 32), (1, 13), (1, 4), True, torch.bfloat16),
     ("1d fp32 k5 d128", (2, 1, 512, 2, 128), (1, 5), (1, 1), True, torch.float32),
+    ("2d fp32 k7 d128", (1, 20, 20, 2, 128), (7, 7), (1, 1), True, torch.float32),
 ]
+
+# Shared memory one block may use: A100 (sm80) 163 KiB, H100 (sm90) 227 KiB.
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 
 def capture_launches(shape, kernel_size, dilation, has_rpb, dtype):
@@ -135,8 +140,11 @@ def main(argv=None) -> int:
                     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     print(f"  sm{arch} {kernel.__name__:22s} FAILED: {first[:300]}", flush=True)
                     continue
-                print(f"  sm{arch} {kernel.__name__:22s} ok {time.perf_counter() - start:5.1f} s "
-                      f"{blocks} shared {compiled.metadata.shared} B, "
+                shared = compiled.metadata.shared
+                over = shared > SHARED_LIMIT.get(arch, shared)
+                failures += over
+                print(f"  sm{arch} {kernel.__name__:22s} {'TOO MUCH SHARED MEMORY' if over else 'ok'}"
+                      f" {time.perf_counter() - start:5.1f} s {blocks} shared {shared} B, "
                       f"{resources(compiled.asm['cubin'], arch)}", flush=True)
     print("all compiled" if not failures else f"{failures} compile failure(s)")
     return 1 if failures else 0

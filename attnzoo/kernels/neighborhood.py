@@ -316,12 +316,16 @@ class _Launch(NamedTuple):
     args: dict      # geometry and constexprs every kernel takes
 
 
-def default_tiling(spatial: Tuple[int, int], kernel_size: Tuple[int, int]) -> Tiling:
+def default_tiling(spatial: Tuple[int, int], kernel_size: Tuple[int, int],
+                   row_bytes: int = 128) -> Tiling:
     """2-D: 8x8 query tiles (at K=7 a 14x14 key region, streamed as 7 blocks of 2 x 16 keys);
-    1-D (H = 1): runs of 64 queries. The key-centric pass uses the same tiles for keys (its
-    query regions are as wide, up to K//2 more at a clamped border)."""
+    1-D (H = 1): runs of 64 queries. Half as many queries where a q row and an output row
+    together take more than 512 bytes (fp32 at head dim 128), which otherwise spill registers
+    (scripts/compile_kernels.py). The key-centric pass uses the same tiles for keys (its query
+    regions are as wide, up to K//2 more at a clamped border)."""
     (H, _), (KH, KW) = spatial, kernel_size
-    TH, TW = (1, 64) if H == 1 else (8, 8)
+    small = row_bytes > 512
+    TH, TW = ((1, 32) if small else (1, 64)) if H == 1 else ((4, 8) if small else (8, 8))
     return Tiling(TH, TW, *block_shape(min(TH + KH - 1, H), TW + KW - 1))
 
 
@@ -335,13 +339,14 @@ def _plan(q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool
           tiling: Optional[Tiling]) -> _Launch:
     B, H, W, heads, D = q.shape
     KH, KW = kernel_size
-    t = tiling or default_tiling((H, W), kernel_size)
+    BD, BDV = pow2(D), pow2(v.shape[-1])
+    row_bytes = (BD + BDV) * q.element_size()
+    t = tiling or default_tiling((H, W), kernel_size, row_bytes)
     if not (t.TH * t.TW >= 16 and t.ROWS * t.COLS >= 16 and all(n & (n - 1) == 0 for n in t)):
         raise ValueError(f"{t}: blocks must be powers of two of >= 16 positions (tl.dot)")
     tiles_y, tiles_x = grid_tiles((H, W), dilation, (t.TH, t.TW))
-    BD, BDV = pow2(D), pow2(v.shape[-1])
     # Wide rows (fp32, head dims > 32) spill registers at 4 warps (scripts/compile_kernels.py).
-    warps = 4 if (BD + BDV) * q.element_size() <= 128 else 8
+    warps = 4 if row_bytes <= 128 else 8
     args = dict(heads=heads, H=H, W=W, D=D, DV=v.shape[-1], DIL_Y=dilation[0],
                 DIL_X=dilation[1], tiles_y=tiles_y, tiles_x=tiles_x, KH=KH, KW=KW,
                 TH=t.TH, TW=t.TW, ROWS=t.ROWS, COLS=t.COLS, BD=BD, BDV=BDV, HAS_RPB=has_rpb,

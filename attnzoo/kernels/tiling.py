@@ -156,10 +156,11 @@ def pow2(n: int, minimum: int = 16) -> int:
 
 
 def block_shape(rows: int, cols: int, target: int = 32) -> Tuple[int, int]:
-    """(ROWS, COLS) blocks streaming a ``rows x cols`` region: COLS a power of two >= 16 chosen
-    to waste few padded columns (each block also costs a fixed loop overhead, counted here as 16
-    columns), ROWS a power of two so that a block holds about ``target`` keys."""
-    best = min((16, 32, 64), key=lambda c: (math.ceil(cols / c) * (c + 16), c))
+    """(ROWS, COLS) blocks streaming a ``rows x cols`` region: COLS 16 or 32, whichever wastes
+    fewer padded columns (each block also costs a fixed loop overhead, counted here as 16
+    columns), ROWS a power of two so that a block holds about ``target`` keys. Blocks of more
+    than 32 keys need more shared memory than an A100 has at fp32 / head dim 128."""
+    best = min((16, 32), key=lambda c: (math.ceil(cols / c) * (c + 16), c))
     r = 1
     while r * 2 * best <= target and r * 2 <= rows:
         r *= 2
