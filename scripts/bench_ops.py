@@ -49,6 +49,9 @@ from attnzoo.ops import na2d  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CONCRETE = ("torch", "natten", "cuda")
+# time.perf_counter (wall) by default; --clock process measures this process's CPU time, which
+# other processes on a shared CPU machine disturb much less (use it with --threads 1).
+clock = time.perf_counter
 TARGETS = {"flex": 2.0, "torch": 5.0}  # required speed-up of cuda+rpb over these (GPU)
 
 
@@ -118,10 +121,10 @@ def time_op_calls(run: Callable[[], torch.Tensor], device: torch.device, backwar
     def observer(op, backend, macs):
         _sync(device)
         memory.start()
-        start = time.perf_counter()
+        start = clock()
         yield
         _sync(device)
-        spent.append(time.perf_counter() - start)
+        spent.append(clock() - start)
 
     times, peaks = [], []
     for i in range(warmup + repeats):
@@ -133,10 +136,10 @@ def time_op_calls(run: Callable[[], torch.Tensor], device: torch.device, backwar
         if backward:
             grad = torch.randn_like(out)
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             out.backward(grad)
             _sync(device)
-            total += time.perf_counter() - start
+            total += clock() - start
         peak = memory.peak_mib()
         del out
         if i >= warmup:
@@ -338,13 +341,13 @@ def time_fn(fn, device, backward: bool, warmup: int, repeats: int) -> Timing:
         grad_ctx = contextlib.nullcontext() if backward else torch.no_grad()
         _sync(device)
         memory.start()
-        start = time.perf_counter()
+        start = clock()
         with grad_ctx:
             out = fn()
         if backward:
             out.backward(torch.ones_like(out))  # a constant grad: no RNG inside the timing
         _sync(device)
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         peaks.append(memory.peak_mib())
         del out
         if i >= warmup:
@@ -440,6 +443,9 @@ def main(argv=None) -> int:
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="memory bandwidth for the bound (default: from the device)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--clock", choices=("wall", "process"), default="wall",
+                   help="process: CPU time of this process (a shared CPU machine; with "
+                        "--threads 1 it equals the wall time of a quiet machine)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG plot of part 2 here")
     args = p.parse_args(argv)
@@ -455,6 +461,11 @@ def main(argv=None) -> int:
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "process":
+        if cuda:
+            p.error("--clock process measures CPU time: not meaningful for GPU kernels")
+        global clock
+        clock = time.process_time
     warnings.filterwarnings("ignore", module=r"torch\.nn\.attention\.flex_attention")
     try:
         import natten
@@ -470,7 +481,8 @@ def main(argv=None) -> int:
                                                             or platform.machine())
     print(f"# attnzoo op benchmark: {device.type} ({name}), {dtype}, threads "
           f"{torch.get_num_threads()}, torch {torch.__version__}, triton {triton_version}, "
-          f"natten {natten_version}; median of {args.repeats} after {args.warmup} warm-up",
+          f"natten {natten_version}; median of {args.repeats} after {args.warmup} warm-up, "
+          f"{args.clock} clock",
           flush=True)
     if not cuda:
         print("# CPU: the cuda backend needs a GPU (its CPU path is Triton's interpreter, for "

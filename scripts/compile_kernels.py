@@ -10,7 +10,7 @@ shared memory exceeds what an A100 / H100 block can have. No GPU or CUDA driver 
 
     python scripts/compile_kernels.py                 # every case below, sm80 and sm90
     python scripts/compile_kernels.py --quick         # one 2-D case (what the test suite runs)
-    python scripts/compile_kernels.py --arch 90 --cases nat
+    python scripts/compile_kernels.py --arch 90 --cases fp32
 
 Exit status 1 if any compile fails. Must run without TRITON_INTERPRET (it unsets it).
 """
@@ -37,14 +37,14 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 # name, [B, H, W, heads, d], kernel, dilation, rpb, dtype
 CASES = [
-    ("nat s0 bf16 k7", (2, 56, 56, 2, 32), (7, 7), (1, 1), True, torch.bfloat16),
-    ("dinat s0 fp16 k7 d8", (2, 56, 56, 2, 32), (7, 7), (8, 8), True, torch.float16),
-    ("nat fp32 k7 d64", (2, 28, 28, 4, 64), (7, 7), (1, 1), True, torch.float32),
-    ("2d bf16 k13 d128 norpb", (1, 32, 32, 2, 128), (13, 13), (1, 1), False, torch.bfloat16),
-    ("2d fp16 k(3,9) d(2,1) dv48", (1, 24, 40, 2, 48), (3, 9), (2, 1), True, torch.float16),
-    ("1d bf16 k13 d4", (2, 1, 4096, 4, 32), (1, 13), (1, 4), True, torch.bfloat16),
-    ("1d fp32 k5 d128", (2, 1, 512, 2, 128), (1, 5), (1, 1), True, torch.float32),
-    ("2d fp32 k7 d128", (1, 20, 20, 2, 128), (7, 7), (1, 1), True, torch.float32),
+    ("nat s0 bf16 k7 hd32", (2, 56, 56, 2, 32), (7, 7), (1, 1), True, torch.bfloat16),
+    ("dinat s0 fp16 k7 dil8", (2, 56, 56, 2, 32), (7, 7), (8, 8), True, torch.float16),
+    ("nat fp32 k7 hd64", (2, 28, 28, 4, 64), (7, 7), (1, 1), True, torch.float32),
+    ("2d bf16 k13 hd128 norpb", (1, 32, 32, 2, 128), (13, 13), (1, 1), False, torch.bfloat16),
+    ("2d fp16 k(3,9) dil(2,1) hd48", (1, 24, 40, 2, 48), (3, 9), (2, 1), True, torch.float16),
+    ("1d bf16 k13 dil4", (2, 1, 4096, 4, 32), (1, 13), (1, 4), True, torch.bfloat16),
+    ("1d fp32 k5 hd128", (2, 1, 512, 2, 128), (1, 5), (1, 1), True, torch.float32),
+    ("2d fp32 k7 hd128", (1, 20, 20, 2, 128), (7, 7), (1, 1), True, torch.float32),
 ]
 
 # Shared memory one block may use: A100 (sm80) 163 KiB, H100 (sm90) 227 KiB.

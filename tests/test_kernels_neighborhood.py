@@ -1,7 +1,8 @@
 """attnzoo's fused Triton NA kernels (the ``cuda`` backend of na1d / na2d).
 
-Without a GPU these run under Triton's interpreter on CPU tensors (tests/conftest.py sets
-TRITON_INTERPRET=1 before anything imports the kernels); with one, compiled on CUDA tensors.
+Without a GPU these run under Triton's interpreter on CPU tensors (tests/conftest.py imports the
+kernel modules with TRITON_INTERPRET=1 before anything else does; the fixture below sets it
+again while each test here runs); with a GPU, compiled on CUDA tensors.
 The oracle is the torch reference in float64, evaluated on the very inputs the kernel saw
 (rounded to its dtype), forward and the gradients of q, k, v and rpb. The reference itself is
 checked against a brute force in tests/test_ops_neighborhood.py.
@@ -70,9 +71,11 @@ def make_inputs(shape, kernel, use_rpb, v_dim=None, seed=0):
     return [q, k, v, rpb]
 
 
-def weighted_grads(out, inputs, seed=1):
+def weighted_grads(out, inputs, dtype, seed=1):
+    """Gradients of a fixed random weighting of ``out``, the weights rounded to ``dtype`` (the
+    kernel's) whatever ``out``'s dtype, so kernel and reference see the same ones."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype).to(out)
     return torch.autograd.grad((out * w).sum(), inputs)
 
 
@@ -98,11 +101,11 @@ def check_against_reference(shape, kernel, dilation, use_rpb=True, scale=None, v
     else:
         out = kn.na_fused(*low[:3], ks, dil, low[3], scale or shape[-1] ** -0.5, tiling)
     assert out.dtype == dtype and out.device.type == DEVICE
-    grads = weighted_grads(out, [t for t in low if t is not None])
+    grads = weighted_grads(out, [t for t in low if t is not None], dtype)
     # reference on the same (rounded) values, in float64
     ref_in = [t.double().requires_grad_() for t in used] + [None] * (4 - len(used))
     ref = nbh.na_reference(*ref_in[:3], ks, dil, ref_in[3], scale or shape[-1] ** -0.5)
-    ref_grads = weighted_grads(ref, [t for t in ref_in if t is not None])
+    ref_grads = weighted_grads(ref, [t for t in ref_in if t is not None], dtype)
 
     fwd_tol, grad_tol = TOL[dtype]
     torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=fwd_tol, rtol=fwd_tol)
