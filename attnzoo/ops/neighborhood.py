@@ -175,6 +175,13 @@ def _unless_identity(index: torch.Tensor, size: int) -> Optional[torch.Tensor]:
 @functools.lru_cache(maxsize=128)
 def _plan(spatial: Tuple[int, ...], ks: Tuple[int, ...], dil: Tuple[int, ...],
           device: torch.device, dtype: torch.dtype) -> _Plan:
+    # Cached plans outlive the call: never make them inference tensors, which autograd refuses
+    # to save when the same shape is trained after an inference_mode() forward.
+    with torch.inference_mode(False):
+        return _build_plan(spatial, ks, dil, device, dtype)
+
+
+def _build_plan(spatial, ks, dil, device, dtype) -> _Plan:
     n = len(spatial)
     axes = [_axis_plan(L, K, d, T)
             for L, K, d, T in zip(spatial, ks, dil, _tile_sizes(spatial, dil))]
