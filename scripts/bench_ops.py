@@ -24,6 +24,7 @@ GPU targets (issue 10, bf16, forward and forward+backward, K=7, NAT-tiny stages)
     python scripts/bench_ops.py                                  # CPU, fp32, what CPU can run
     python scripts/bench_ops.py --device cuda --dtype bf16 --batch 64 --plot ops.png
     python scripts/bench_ops.py --part 2 --no-flex --repeats 5
+    python scripts/bench_ops.py --threads 1 --clock process --repeats 5  # a shared CPU machine
 """
 from __future__ import annotations
 
@@ -199,10 +200,10 @@ def part_ops(args, device, dtype) -> List[dict]:
                         continue
                     results[backend] = t
                     ref = results.get("torch")
-                    ratio = f"  torch/{backend} {ref.ms / t.ms:6.2f}x" if ref and backend != \
-                        "torch" else ""
-                    print(f"  {kind:7s} {backend:6s} {t.ms:10.3f} ms  peak +{fmt(t.peak_mib, '.1f', 0)}"
-                          f" MiB{ratio}", flush=True)
+                    ratio = (f"  torch/{backend} {ref.ms / t.ms:6.2f}x"
+                             if ref and backend != "torch" else "")
+                    print(f"  {kind:7s} {backend:6s} {t.ms:10.3f} ms  "
+                          f"peak +{fmt(t.peak_mib, '.1f', 0)} MiB{ratio}", flush=True)
                 rows.append(dict(part=1, op=op, case=label, kind=kind,
                                  **{f"{b}_ms": r.ms for b, r in results.items()},
                                  **{f"{b}_peak_mib": r.peak_mib for b, r in results.items()}))
@@ -325,8 +326,9 @@ def part_na(args, device, dtype) -> List[dict]:
                 if ours and theirs:
                     row[f"{other}_over_cuda_{kind}"] = theirs / ours
                     target = TARGETS.get(other.split("+")[0])
+                    met = "met" if target and theirs / ours >= target else "NOT met"
                     verdict = "" if target is None or device.type != "cuda" else (
-                        f" (target >= {target:.0f}x: {'met' if theirs / ours >= target else 'NOT met'})")
+                        f" (target >= {target:.0f}x: {met})")
                     print(f"  {kind:7s} {other}/cuda+rpb = {theirs / ours:.2f}x{verdict}",
                           flush=True)
         rows.append(row)

@@ -143,8 +143,9 @@ def main(argv=None) -> int:
                 shared = compiled.metadata.shared
                 over = shared > SHARED_LIMIT.get(arch, shared)
                 failures += over
-                print(f"  sm{arch} {kernel.__name__:22s} {'TOO MUCH SHARED MEMORY' if over else 'ok'}"
-                      f" {time.perf_counter() - start:5.1f} s {blocks} shared {shared} B, "
+                status = "TOO MUCH SHARED MEMORY" if over else "ok"
+                print(f"  sm{arch} {kernel.__name__:22s} {status} "
+                      f"{time.perf_counter() - start:5.1f} s {blocks} shared {shared} B, "
                       f"{resources(compiled.asm['cubin'], arch)}", flush=True)
     print("all compiled" if not failures else f"{failures} compile failure(s)")
     return 1 if failures else 0

@@ -22,6 +22,7 @@ def interpreter_enabled() -> bool:
     """TRITON_INTERPRET is set now (parsed the way Triton parses it)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
+
 # tl.gather (the rpb gradient) appeared in Triton 3.2.
 MIN_TRITON = (3, 2)
 
