@@ -1,5 +1,6 @@
-"""SAN: configs and costs, the model-level oracle, input sizes, timm's model contract,
-official checkpoints. Big models are built on 'meta'; numerical tests use tiny configs."""
+"""SAN: configs and costs, input sizes, the backend switch, timm's model contract, official
+checkpoints (the model-level oracle is tests/test_san_oracle.py). Big models are built on
+'meta'; numerical tests use tiny configs."""
 import copy
 import functools
 

@@ -2,11 +2,11 @@
 
 Footprint: output ``(h, w)`` of a ``k x k`` footprint with dilation ``d`` and stride ``s`` taps the
 input at ``(h*s - p + kh*d, w*s - p + kw*d)``, ``p = d * (k - 1) // 2`` (per axis), tap index
-``kk = kh * kw_size + kw``; so the centre tap reads ``(h*s, w*s)``, never padded, and the output
-map is ``ceil(H / s) x ceil(W / s)`` (``L = Ho * Wo`` positions). Taps outside the map are
-*reflected* like ``nn.ReflectionPad2d`` (``-i`` below 0, ``2(H-1) - i`` beyond the end; the edge
-is not repeated), which needs ``p < H`` and ``p < W``; ``padding_mode='zeros'`` reads zeros
-there instead (the official code's ``pad_mode=0``).
+``kk = kh * k_w + kw`` (``k_w`` the footprint's width); so the centre tap reads ``(h*s, w*s)``,
+never padded, and the output map is ``ceil(H / s) x ceil(W / s)`` (``L = Ho * Wo`` positions).
+Taps outside the map are *reflected* like ``nn.ReflectionPad2d`` (``-i`` below 0, ``2(H-1) - i``
+beyond the end; the edge is not repeated), which needs ``p < H`` and ``p < W``;
+``padding_mode='zeros'`` reads zeros there instead (the official code's ``pad_mode=0``).
 
 Layouts (the official CUDA ops', which the SAM's 1x1 convs work on directly):
 
@@ -20,9 +20,13 @@ Layouts (the official CUDA ops', which the SAM's 1x1 convs work on directly):
 
 The torch reference (any device and float dtype, differentiable) gathers the footprint with
 ``F.unfold`` for the subtractions, whose outputs are ``kk``-times larger than their inputs
-anyway, and aggregates tap by tap over shifted views of the padded input, so it never builds the
-``kk``-times larger unfolded copy of ``x``. NATTEN has no such ops; attnzoo's fused Triton kernels
-(the ``cuda`` backend) are a named slot until they land.
+anyway, and aggregates tap by tap over shifted views of the padded input, forward and (a
+hand-written autograd Function) backward, so it never builds the ``kk``-times larger unfolded
+copy of ``x``. NATTEN has no such ops; attnzoo's fused Triton kernels (the ``cuda`` backend) are
+a named slot until they land.
+
+MACs (:func:`attnzoo.profiling.count_macs`): the aggregation ``N * C * L * kk`` multiply-adds,
+the subtractions one per output element (as SAN's official counter counts them).
 """
 from __future__ import annotations
 
