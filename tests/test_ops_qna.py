@@ -107,8 +107,10 @@ def test_each_form_against_brute_force():
     for stride in (1, 2):
         for sum_queries in (True, False):
             ref = brute_qna2d(logits, v, 5, stride, rpb, ws, sum_queries)
-            for form in (qna_module._conv_form_output, qna_module._tap_form):
-                out = form(logits, v, rpb, ws, stride, sum_queries)
+            shift = logits.amax((1, 2), keepdim=True) - 3.  # any per-map shift works here
+            for out in (qna_module._conv_form_output(logits, v, rpb, ws, stride, sum_queries,
+                                                     shift),
+                        qna_module._tap_form(logits, v, rpb, ws, stride, sum_queries)):
                 torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
@@ -138,7 +140,7 @@ def test_wide_logit_range_float32_matches_float64(stride):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     # the convolution form alone, shifted per map, really would fail here
     naive = qna_module._conv_form_output(logits.float(), v.float(), rpb.float(), ws.float(),
-                                         stride, True)
+                                         stride, True, logits.float().amax((1, 2), keepdim=True))
     assert not torch.isfinite(naive).all()
 
 

@@ -1,4 +1,5 @@
 """nn.Modules built on :mod:`attnzoo.ops`."""
 from .neighborhood import NeighborhoodAttention2d
+from .qna import LocalSelfAttention, QnA, QnAUpsample
 
-__all__ = ["NeighborhoodAttention2d"]
+__all__ = ["NeighborhoodAttention2d", "QnA", "QnAUpsample", "LocalSelfAttention"]

@@ -63,23 +63,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _conv_form_is_exact(logits: torch.Tensor, rpb: torch.Tensor, stride: int) -> bool:
-    """True if no window's largest term falls more than ``0.7 * -log(tiny)`` below its map's
-    largest (the conv form then loses nothing: terms under the window's max by more than the
-    remaining ~26 nats in float32 are below its precision anyway)."""
+def _map_max_if_exact(logits: torch.Tensor, rpb: torch.Tensor, stride: int
+                      ) -> Optional[torch.Tensor]:
+    """Each ``(b, l, h)`` map's max logit ``[B, 1, 1, L, h]`` (the convolution form's shift) if no
+    window's largest term falls more than ``0.7 * -log(tiny)`` below it; else None. Within that
+    margin the shifted form loses nothing: a window's terms further than the remaining ~26 nats
+    (float32) under its own max are below its precision anyway."""
     limit = 0.7 * -math.log(torch.finfo(logits.dtype).tiny)
     B, H, W, L, h = logits.shape
-    kernel_size = rpb.shape[-1]
-    flat = logits.reshape(B, H * W, L, h)
-    lo, hi = torch.aminmax(flat, dim=1)                            # [B, L, h]
-    spread = rpb.amax((-2, -1)) - rpb.amin((-2, -1))               # [L, h]
-    if float((hi - lo + spread).max()) < limit:  # no window can be that far down: the common case
-        return True
-    # per window: its max logit (max-pool pads with -inf: out-of-bounds keys do not count)
-    window_max = F.max_pool2d(logits.reshape(B, H, W, L * h).permute(0, 3, 1, 2), kernel_size,
-                              stride, (kernel_size - 1) // 2)     # [B, L*h, Ho, Wo]
-    gap = hi.reshape(B, L * h, 1, 1) - window_max + spread.reshape(1, L * h, 1, 1)
-    return float(gap.max()) < limit
+    k = rpb.shape[-1]
+    lo, hi = torch.aminmax(logits.reshape(B, H * W, L, h), dim=1)   # [B, L, h]
+    spread = rpb.amax((-2, -1)) - rpb.amin((-2, -1))                 # [L, h]
+    exact = float((hi - lo + spread).max()) < limit  # no window can be that far down: usual
+    if not exact:  # per window: its max logit (max-pool pads with -inf: out-of-bounds excluded)
+        window_max = F.max_pool2d(logits.reshape(B, H, W, L * h).permute(0, 3, 1, 2), k, stride,
+                                  (k - 1) // 2)                      # [B, L*h, Ho, Wo]
+        gap = hi.reshape(B, L * h, 1, 1) - window_max + spread.reshape(1, L * h, 1, 1)
+        exact = float(gap.max()) < limit
+    return hi.reshape(B, 1, 1, L, h) if exact else None
 
 
 def _dwconv(x: torch.Tensor, kernel: torch.Tensor, stride: int) -> torch.Tensor:
@@ -114,10 +115,10 @@ class _ConvForm(NamedTuple):
     den: torch.Tensor        # [B, Ho, Wo, L, h]
 
 
-def _conv_form(logits, v, rpb, ws, stride: int) -> _ConvForm:
+def _conv_form(logits, v, rpb, ws, stride: int, shift: torch.Tensor) -> _ConvForm:
     B, H, W, L, h = logits.shape
     d, k = v.shape[-1], rpb.shape[-1]
-    e = torch.exp(logits - logits.amax(dim=(1, 2), keepdim=True))
+    e = torch.exp(logits - shift)
     k_den = torch.exp(rpb - rpb.amax((-2, -1), keepdim=True))
     k_num = k_den * ws
     ev = e.unsqueeze(-1) * v.unsqueeze(3)
@@ -129,18 +130,24 @@ def _conv_form(logits, v, rpb, ws, stride: int) -> _ConvForm:
                      den.reshape(B, Ho, Wo, L, h))
 
 
-def _conv_form_output(logits, v, rpb, ws, stride: int, sum_queries: bool) -> torch.Tensor:
-    f = _conv_form(logits, v, rpb, ws, stride)
-    out = f.num / f.den.unsqueeze(-1)
-    return out.sum(3) if sum_queries else out
+def _conv_form_output(logits, v, rpb, ws, stride: int, sum_queries: bool,
+                      shift: torch.Tensor) -> torch.Tensor:
+    f = _conv_form(logits, v, rpb, ws, stride, shift)
+    r = f.den.reciprocal().unsqueeze(-1)                    # [B, Ho, Wo, L, h, 1]: small
+    if not sum_queries:
+        return f.num * r
+    out = f.num[:, :, :, 0] * r[:, :, :, 0]
+    for l in range(1, r.shape[3]):
+        out.addcmul_(f.num[:, :, :, l], r[:, :, :, l])
+    return out
 
 
-def _conv_form_backward(g, logits, v, rpb, ws, stride: int):
+def _conv_form_backward(g, logits, v, rpb, ws, stride: int, shift: torch.Tensor):
     """``g [B, Ho, Wo, L, h, d]`` -> gradients of logits, v, rpb, window_weights, with
     transposed depthwise convolutions (``P = e * k_den / den`` throughout)."""
     B, H, W, L, h = logits.shape
     d, k = v.shape[-1], rpb.shape[-1]
-    f = _conv_form(logits, v, rpb, ws, stride)
+    f = _conv_form(logits, v, rpb, ws, stride, shift)
     Ho, Wo = f.den.shape[1:3]
     r = 1 / f.den
     dots = (g * f.num).sum(-1) * r                    # <g, out_l>: the softmax's own term
@@ -237,8 +244,10 @@ def _tap_form_backward(g, logits, v, rpb, ws, stride: int):
 def _forward(logits, v, rpb, ws, stride: int, sum_queries: bool) -> torch.Tensor:
     dtype = _compute_dtype(v.dtype)
     logits, v, rpb, ws = (t.to(dtype) for t in (logits, v, rpb, ws))
-    form = _conv_form_output if _conv_form_is_exact(logits, rpb, stride) else _tap_form
-    return form(logits, v, rpb, ws, stride, sum_queries)
+    shift = _map_max_if_exact(logits, rpb, stride)
+    if shift is None:
+        return _tap_form(logits, v, rpb, ws, stride, sum_queries)
+    return _conv_form_output(logits, v, rpb, ws, stride, sum_queries, shift)
 
 
 def _backward(grad, logits, v, rpb, ws, stride: int, sum_queries: bool):
@@ -247,8 +256,9 @@ def _backward(grad, logits, v, rpb, ws, stride: int, sum_queries: bool):
     logits, v, rpb, ws, g = (t.to(dtype) for t in (logits, v, rpb, ws, grad))
     if sum_queries:  # every query's result got the same gradient
         g = g.unsqueeze(3).expand(*g.shape[:3], logits.shape[3], *g.shape[3:])
-    form = _conv_form_backward if _conv_form_is_exact(logits, rpb, stride) else _tap_form_backward
-    grads = form(g, logits, v, rpb, ws, stride)
+    shift = _map_max_if_exact(logits, rpb, stride)
+    grads = (_tap_form_backward(g, logits, v, rpb, ws, stride) if shift is None
+             else _conv_form_backward(g, logits, v, rpb, ws, stride, shift))
     return tuple(gr.to(t.dtype) for gr, t in zip(grads, inputs))
 
 
