@@ -43,10 +43,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Un
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import (
     ClassifierHead,
-    Conv2dSame,
     DropPath,
     GELUTanh,
     LayerNorm2d,
@@ -55,7 +55,7 @@ from timm.layers import (
     get_device_dtype,
     lecun_normal_,
 )
-from timm.models import generate_default_cfgs
+from timm.models import generate_default_cfgs, register_notrace_function
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint_seq
 
@@ -66,6 +66,34 @@ from ._registry import register_model
 __all__ = ["QnAViT", "checkpoint_filter_fn", "read_checkpoint"]
 
 _LN_EPS = 1e-6  # Flax's LayerNorm default
+
+
+@register_notrace_function
+def pad_same(x: torch.Tensor, kernel_size: int, stride: int) -> torch.Tensor:
+    """TensorFlow / JAX ``'SAME'`` padding of NCHW ``x`` for a convolution: total
+    ``max((ceil(n / stride) - 1) * stride + kernel_size - n, 0)`` per axis, the smaller half
+    first; no copy where nothing is padded."""
+    pads: List[int] = []
+    for n in (x.shape[3], x.shape[2]):
+        total = max((n + stride - 1) // stride * stride - stride + kernel_size - n, 0)
+        pads += [total // 2, total - total // 2]
+    if max(pads) > 0:
+        x = F.pad(x, pads)
+    return x
+
+
+class PatchStem(nn.Conv2d):
+    """The official stem: a 4x4 stride-4 convolution, no bias, ``'SAME'`` padding (none at
+    multiples of 4), no norm; NCHW in and out."""
+
+    def __init__(self, in_chans: int, out_chans: int, patch_size: int = 4, device=None,
+                 dtype=None):
+        super().__init__(in_chans, out_chans, patch_size, stride=patch_size, bias=False,
+                         device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(pad_same(x, self.kernel_size[0], self.stride[0]), self.weight,
+                                  self.bias)
 
 
 class Block(nn.Module):
@@ -163,7 +191,9 @@ class QnAStage(nn.Module):
         self.blocks = nn.Sequential(*blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.downsample(x.permute(0, 2, 3, 1))  # NCHW -> NHWC: a view
+        # NCHW -> NHWC, stored NHWC: a view for the NCHW (channels-last) outputs of earlier
+        # stages, one copy after the stem; every residual sum then keeps this layout.
+        x = self.downsample(x.permute(0, 2, 3, 1).contiguous())
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.blocks, x)
         else:
@@ -228,8 +258,7 @@ class QnAViT(nn.Module):
         self.drop_rate = drop_rate
         self.output_fmt = 'NCHW'
 
-        # Official 'SAME' padding: none at multiples of 4, else split like TensorFlow / JAX.
-        self.stem = Conv2dSame(in_chans, embed_dim, 4, stride=4, bias=False, **dd)
+        self.stem = PatchStem(in_chans, embed_dim, **dd)
         # In execution order: stage i's downsampling block (from i = 1), LSA and QnA blocks.
         dpr = calculate_drop_path_rates(drop_path_rate,
                                         sum(lsa_depths) + sum(qna_depths) + num_stages - 1)

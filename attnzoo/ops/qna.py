@@ -72,7 +72,11 @@ def _map_max_if_exact(logits: torch.Tensor, rpb: torch.Tensor, stride: int
     limit = 0.7 * -math.log(torch.finfo(logits.dtype).tiny)
     B, H, W, L, h = logits.shape
     k = rpb.shape[-1]
-    lo, hi = torch.aminmax(logits.reshape(B, H * W, L, h), dim=1)   # [B, L, h]
+    # Per-map max and min, reduced over H first: a reduction over W * L * h contiguous values
+    # runs ~10x faster on CPU than one over H * W rows of L * h.
+    flat = logits.reshape(B, H, W * L * h)
+    hi = flat.amax(1).view(B, W, L, h).amax(1)                        # [B, L, h]
+    lo = flat.amin(1).view(B, W, L, h).amin(1)
     spread = rpb.amax((-2, -1)) - rpb.amin((-2, -1))                 # [L, h]
     exact = float((hi - lo + spread).max()) < limit  # no window can be that far down: usual
     if not exact:  # per window: its max logit (max-pool pads with -inf: out-of-bounds excluded)
@@ -108,7 +112,7 @@ class _ConvForm(NamedTuple):
     ``k_den = exp(rpb - max rpb)``, ``k_num = k_den * window_weights``; a window's softmax
     weight is ``e(key) * k_den(offset) / den(window)``."""
     e: torch.Tensor          # [B, H, W, L, h]
-    ev: torch.Tensor         # [B, H, W, L, h, d]   e * v
+    ev: torch.Tensor         # [B, H, W, L, h * d]   e * v
     k_den: torch.Tensor      # [L, h, k, k]
     k_num: torch.Tensor      # [L, h, k, k]
     num: torch.Tensor        # [B, Ho, Wo, L, h, d]
@@ -121,7 +125,10 @@ def _conv_form(logits, v, rpb, ws, stride: int, shift: torch.Tensor) -> _ConvFor
     e = torch.exp(logits - shift)
     k_den = torch.exp(rpb - rpb.amax((-2, -1), keepdim=True))
     k_num = k_den * ws
-    ev = e.unsqueeze(-1) * v.unsqueeze(3)
+    # e broadcast over head_dim first: a product over L * h * d contiguous values (~1.5x faster
+    # on CPU than broadcasting over an inner head_dim of 8)
+    ev = e.unsqueeze(-1).expand(B, H, W, L, h, d).reshape(B, H, W, L, h * d) * v.reshape(
+        B, H, W, 1, h * d)
     num = _dwconv(ev.reshape(B, H, W, L * h * d),
                   k_num.reshape(L * h, 1, k, k).expand(L * h, d, k, k).reshape(-1, k, k), stride)
     den = _dwconv(e.reshape(B, H, W, L * h), k_den.reshape(L * h, k, k), stride)
