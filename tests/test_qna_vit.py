@@ -514,6 +514,21 @@ def test_mutated_official_checkpoint_names_the_leaf(official_small, tmp_path, ch
         load_official('qna_vit_tiny', _mutated(tmp_path, params, change), **SMALL)
 
 
+def test_official_checkpoint_into_adapted_models(official_small, tmp_path):
+    """in_chans / num_classes differ: the stem and classifier are left for timm to adapt; the
+    window weights may also come in the rpe_bias-like (k*k, L*h) form."""
+    path, params = official_small
+    for change in (dict(in_chans=1, num_classes=5), dict(num_classes=0)):
+        sd = load_official('qna_vit_tiny', path, **dict(SMALL, **change))
+        assert sd['stem.weight'].shape == (16, 3, 4, 4) and sd['head.fc.weight'].shape == (10, 128)
+    leaf = 'QnAStage_0/QnA_Block_1/FusedKQnA_0/attn_scale_weights'
+    flat_path = _mutated(tmp_path, params, lambda f: f.update({leaf: f[leaf].reshape(9, 4)}))
+    sd = load_official('qna_vit_tiny', flat_path, **SMALL)
+    expected = torch.from_numpy(params['QnAStage_0']['QnA_Block_1']['FusedKQnA_0'][
+        'attn_scale_weights'].reshape(3, 3, 2, 2)).permute(2, 3, 0, 1)
+    torch.testing.assert_close(sd['stages.0.blocks.0.attn.window_weights'], expected)
+
+
 def test_wrong_variant_and_not_a_checkpoint(official_small, tmp_path):
     path, _ = official_small
     with pytest.raises(ValueError, match="no leaf 'QnAStage_0/QnA_Block_2/"):

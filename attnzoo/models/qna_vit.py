@@ -567,6 +567,11 @@ def _flatten_tree(tree: Dict[str, Any], prefix: str = '') -> Dict[str, Any]:
     return flat
 
 
+# Flax-layout dims that may differ from the model: timm adapts the stem's input channels
+# (in_chans) and the classifier (num_classes) after the filter.
+_ADAPTED_DIM = {'stem.weight': 2, 'head.fc.weight': 1, 'head.fc.bias': 0}
+
+
 def _from_flax(tree: Dict[str, Any], model: QnAViT) -> Dict[str, torch.Tensor]:
     """The official Flax tree (the training state or its ``params``) -> our state dict. Raises
     ``ValueError`` naming the first leaf that is missing, mis-shaped or left over."""
@@ -584,23 +589,17 @@ def _from_flax(tree: Dict[str, Any], model: QnAViT) -> Dict[str, torch.Tensor]:
                              f"it is not a checkpoint of this {name} variant")
         leaf = np.asarray(leaves[path])
         used.add(path)
-        if key in expected:
-            want = tuple(expected[key].shape)
-        elif key.startswith('head.fc.'):  # the model has no classifier: take the checkpoint's
-            want = tuple(leaf.shape[::-1]) if key.endswith('weight') else tuple(leaf.shape)
-        else:  # pragma: no cover - the layout is generated from this model
-            raise AssertionError(key)
+        if key not in expected:  # a classifier the model does not have (num_classes=0)
+            out[key] = torch.from_numpy(np.array(leaf.T if leaf.ndim == 2 else leaf, np.float32))
+            continue
+        want = tuple(expected[key].shape)
         flax_shape, convert = layout(want)
-        shape_ok = tuple(leaf.shape) == flax_shape
-        if key == 'stem.weight' or key.startswith('head.fc.'):  # in_chans / num_classes: adapted
-            free = {'stem.weight': 2, 'head.fc.weight': 1, 'head.fc.bias': 0}[key]
-            shape_ok = leaf.ndim == len(flax_shape) and all(
-                a == b for i, (a, b) in enumerate(zip(leaf.shape, flax_shape)) if i != free)
-            flax_shape, convert = layout(tuple(convert(np.empty(leaf.shape)).shape)
-                                         if shape_ok else want)
-        elif key.endswith('.window_weights') and leaf.shape == flax_shape[2:]:
-            shape_ok = True  # also accept the (k*k, L*h) form of the bias
-        if not shape_ok:
+        free = _ADAPTED_DIM.get(key)  # a dim timm adapts itself (in_chans, num_classes)
+        fits = leaf.ndim == len(flax_shape) and all(
+            a == b for i, (a, b) in enumerate(zip(leaf.shape, flax_shape)) if i != free)
+        if key.endswith('.window_weights') and leaf.shape == flax_shape[2:]:
+            fits = True  # also accept the rpe_bias-like (k*k, L*h) form
+        if not fits:
             raise ValueError(f"official checkpoint leaf '{path}' has shape {tuple(leaf.shape)}, "
                              f"expected {flax_shape} (Flax layout of {key} {want}): it is not a "
                              f"checkpoint of this {name} variant")
