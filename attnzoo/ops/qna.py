@@ -26,9 +26,9 @@ out of both sums. Memory is O(B * H * W * L * heads * head_dim): no window is ev
 The shift ``c`` must be one constant per window for it to cancel, and a convolution can only
 subtract one constant per ``(b, l, h)`` map: a map whose logits span more than the exponent range
 would underflow whole windows to 0/0. So each call first checks, per window, that the window's
-largest logit is within ``0.7 * -log(tiny)`` (61 in float32) of its map's maximum, which always
-holds for trained QnA models (their queries are unit-norm); if any window is further below, the
-call instead runs the exact tap form: a softmax per window, stabilised by the window's own
+largest logit is within ``0.7 * -log(tiny)`` (61 in float32) of its map's maximum (the usual
+case: QnA's unit-norm queries keep logits moderate); if any window is further below, the call
+instead runs the exact tap form: a softmax per window, stabilised by the window's own
 maximum, accumulated one window offset at a time (still O(H*W*L*F), slower). Half-precision
 inputs are computed in float32. The backward pass (written out: transposed depthwise
 convolutions, or the tap form offset by offset) recomputes what it needs from the inputs, so
@@ -96,15 +96,15 @@ def _dwconv(x: torch.Tensor, kernel: torch.Tensor, stride: int) -> torch.Tensor:
     return out.permute(0, 2, 3, 1)
 
 
-def _dwconv_grads(x: torch.Tensor, grad: torch.Tensor, kernel: torch.Tensor, stride: int,
-                  input_grad: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-    """Gradients of :func:`_dwconv` w.r.t. ``x`` (optional) and ``kernel``."""
+def _dwconv_grads(x: torch.Tensor, grad: torch.Tensor, kernel: torch.Tensor, stride: int
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`_dwconv` w.r.t. ``x`` and ``kernel``."""
     C, k = kernel.shape[0], kernel.shape[-1]
     gx, gk, _ = torch.ops.aten.convolution_backward(
         grad.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), kernel.reshape(C, 1, k, k), None,
         [stride, stride], [(k - 1) // 2] * 2, [1, 1], False, [0, 0], C,
-        [input_grad, True, False])
-    return (gx.permute(0, 2, 3, 1) if input_grad else None), gk.reshape(C, k, k)
+        [True, True, False])
+    return gx.permute(0, 2, 3, 1), gk.reshape(C, k, k)
 
 
 class _ConvForm(NamedTuple):
