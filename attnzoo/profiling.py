@@ -15,7 +15,8 @@ def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
 
 # FlopCounterMode counts SDPA's CUDA kernels and its math path (the meta device) but not the CPU
 # flash kernel: without this, a model's count would depend on its device.
-_SDPA_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops}
+_SDPA_CPU = {op: _sdpa_cpu_flops for op in [
+    getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)] if op is not None}
 
 from . import backends
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
+from timm.layers.activations import GELUTanh
 from attnzoo import cli
 from attnzoo.convert import load_official
 from attnzoo.layers import LocalSelfAttention, QnA, QnAUpsample
@@ -19,6 +20,7 @@ from attnzoo.layers import qna as qna_layers
 from attnzoo.models.qna_vit import QnAViT, checkpoint_filter_fn, read_checkpoint
 from attnzoo.profiling import count_macs, count_params
 from checkpoint_layouts import nest, qna_official_manifest, write_flax_checkpoint
+from oracles import gelu_tanh, layer_norm
 
 NAMES = ['qna_vit_tiny', 'qna_vit_tiny_7x7', 'qna_vit_small', 'qna_vit_base']
 
@@ -104,11 +106,11 @@ def test_variant_configs():
     for name, p in tiny.named_parameters():
         if name.endswith('.bias'):
             assert '.norm' in name or '.mlp.' in name or name.startswith(('norm.', 'head.')), name
-    assert tiny.stem.bias is None and tiny.stages[1].downsample.shortcut.bias is None
+    assert tiny.stem.conv.bias is None and tiny.stages[1].downsample.shortcut.bias is None
     norms = [m for m in tiny.modules() if isinstance(m, torch.nn.LayerNorm)]
     assert norms and all(m.eps == 1e-6 for m in norms)
     acts = [m.act for m in tiny.modules() if isinstance(m, timm.layers.Mlp)]
-    assert acts and all(isinstance(a, timm.layers.GELUTanh) for a in acts)
+    assert acts and all(isinstance(a, GELUTanh) for a in acts)
 
 
 @pytest.mark.parametrize('name,rate', [('qna_vit_tiny', 0.05), ('qna_vit_small', 0.2),
@@ -131,7 +133,10 @@ def test_drop_path_schedule(name, rate):
 
 
 # ----------------------------------------------------------------------------------------------
-# the model-level oracle: the paper's equations on the official parameter tree
+# the model-level oracle: the paper's and spec's equations (explicit keys, a softmax per window,
+# window weights in the numerator, Flax LayerNorm eps 1e-6, tanh GELU, per-head (q, k, v) chunks
+# of to_qkv, Swin's relative bias, 1x1 stride-2 skips, LN + mean head) run on the official
+# parameter tree in its own layouts, in float64
 # ----------------------------------------------------------------------------------------------
 
 def _t(a):
@@ -139,17 +144,11 @@ def _t(a):
 
 
 def _ln(x, p):
-    mean = x.mean(-1, keepdim=True)
-    var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + 1e-6) * _t(p['scale']) + _t(p['bias'])
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return layer_norm(x, _t(p['scale']), _t(p['bias']), 1e-6)  # Flax's default eps
 
 
 def _mlp(x, p):
-    x = _gelu_tanh(x @ _t(p['Dense_0']['kernel']) + _t(p['Dense_0']['bias']))
+    x = gelu_tanh(x @ _t(p['Dense_0']['kernel']) + _t(p['Dense_0']['bias']))
     return x @ _t(p['Dense_1']['kernel']) + _t(p['Dense_1']['bias'])
 
 
@@ -279,7 +278,7 @@ def test_stem_pads_like_same():
     model = _small()
     x = torch.randn(1, 3, 250, 250)
     with torch.no_grad():
-        ref = F.conv2d(F.pad(x, (1, 1, 1, 1)), model.stem.weight, stride=4)
+        ref = F.conv2d(F.pad(x, (1, 1, 1, 1)), model.stem.conv.weight, stride=4)
         torch.testing.assert_close(model.stem(x), ref)
     assert ref.shape[-1] == 63
 
@@ -347,7 +346,7 @@ def test_head_contract():
     assert not any('queries' in n or 'proj' in n for n in model.no_weight_decay())
     from timm.models._manipulate import group_parameters
     groups = group_parameters(model, model.group_matcher(), reverse=True)
-    order = ['stem.weight', 'stages.0.blocks.0.attn.queries', 'stages.1.downsample.attn.k.weight',
+    order = ['stem.conv.weight', 'stages.0.blocks.0.attn.queries', 'stages.1.downsample.attn.k.weight',
              'stages.1.blocks.0.norm1.weight', 'norm.weight']
     ids = [groups[n] for n in order]
     assert ids == sorted(ids) and len(set(ids)) == 4 and ids[2] == ids[3]
@@ -520,7 +519,7 @@ def test_official_checkpoint_into_adapted_models(official_small, tmp_path):
     path, params = official_small
     for change in (dict(in_chans=1, num_classes=5), dict(num_classes=0)):
         sd = load_official('qna_vit_tiny', path, **dict(SMALL, **change))
-        assert sd['stem.weight'].shape == (16, 3, 4, 4) and sd['head.fc.weight'].shape == (10, 128)
+        assert sd['stem.conv.weight'].shape == (16, 3, 4, 4) and sd['head.fc.weight'].shape == (10, 128)
     leaf = 'QnAStage_0/QnA_Block_1/FusedKQnA_0/attn_scale_weights'
     flat_path = _mutated(tmp_path, params, lambda f: f.update({leaf: f[leaf].reshape(9, 4)}))
     sd = load_official('qna_vit_tiny', flat_path, **SMALL)

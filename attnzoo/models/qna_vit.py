@@ -48,20 +48,20 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import (
     ClassifierHead,
     DropPath,
-    GELUTanh,
     LayerNorm2d,
     Mlp,
     calculate_drop_path_rates,
     get_device_dtype,
     lecun_normal_,
 )
+from timm.layers.activations import GELUTanh  # timm 1.0.29 does not export it from timm.layers
 from timm.models import generate_default_cfgs, register_notrace_function
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint_seq
 
 from ..layers import LocalSelfAttention, QnA
 from ._helpers import build_model, check_image_input, check_state_dict, per_stage, unwrap_checkpoint
-from ._registry import register_model
+from ._registry import register_variants
 
 __all__ = ["QnAViT", "checkpoint_filter_fn", "read_checkpoint"]
 
@@ -82,18 +82,19 @@ def pad_same(x: torch.Tensor, kernel_size: int, stride: int) -> torch.Tensor:
     return x
 
 
-class PatchStem(nn.Conv2d):
+class Stem(nn.Module):
     """The official stem: a 4x4 stride-4 convolution, no bias, ``'SAME'`` padding (none at
     multiples of 4), no norm; NCHW in and out."""
 
-    def __init__(self, in_chans: int, out_chans: int, patch_size: int = 4, device=None,
+    def __init__(self, in_chans: int = 3, embed_dim: int = 64, patch_size: int = 4, device=None,
                  dtype=None):
-        super().__init__(in_chans, out_chans, patch_size, stride=patch_size, bias=False,
-                         device=device, dtype=dtype)
+        super().__init__()
+        self.patch_size = patch_size
+        self.conv = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size, bias=False,
+                              device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._conv_forward(pad_same(x, self.kernel_size[0], self.stride[0]), self.weight,
-                                  self.bias)
+        return self.conv(pad_same(x, self.patch_size, self.patch_size))
 
 
 class Block(nn.Module):
@@ -258,7 +259,7 @@ class QnAViT(nn.Module):
         self.drop_rate = drop_rate
         self.output_fmt = 'NCHW'
 
-        self.stem = PatchStem(in_chans, embed_dim, **dd)
+        self.stem = Stem(in_chans, embed_dim, **dd)
         # In execution order: stage i's downsampling block (from i = 1), LSA and QnA blocks.
         dpr = calculate_drop_path_rates(drop_path_rate,
                                         sum(lsa_depths) + sum(qna_depths) + num_stages - 1)
@@ -507,7 +508,7 @@ def _flax_layout(model: QnAViT) -> List[Tuple[str, str, Callable]]:
     ``QnAStage_{s}/QnA_Block_{j}`` (1-based), ``QnAStage_{s}/QnA_Block_{n+1}_stride_2`` (stage
     ``s``'s downsampling block, our ``stages.{s+1}.downsample``), ``LSAStage_{s}/MSA_Block_{j}``,
     ``StemBlock_0``, ``ClassificationHead_0``."""
-    entries = [('stem.weight', 'StemBlock_0/conv_1x1/kernel', _conv),
+    entries = [('stem.conv.weight', 'StemBlock_0/conv_1x1/kernel', _conv),
                ('norm.weight', 'ClassificationHead_0/LayerNorm_0/scale', _same),
                ('norm.bias', 'ClassificationHead_0/LayerNorm_0/bias', _same),
                ('head.fc.weight', 'ClassificationHead_0/head_logits/kernel', _dense),
@@ -569,7 +570,7 @@ def _flatten_tree(tree: Dict[str, Any], prefix: str = '') -> Dict[str, Any]:
 
 # Flax-layout dims that may differ from the model: timm adapts the stem's input channels
 # (in_chans) and the classifier (num_classes) after the filter.
-_ADAPTED_DIM = {'stem.weight': 2, 'head.fc.weight': 1, 'head.fc.bias': 0}
+_ADAPTED_DIM = {'stem.conv.weight': 2, 'head.fc.weight': 1, 'head.fc.bias': 0}
 
 
 def _from_flax(tree: Dict[str, Any], model: QnAViT) -> Dict[str, torch.Tensor]:
@@ -630,7 +631,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: QnAViT) -> Dict[str,
         state_dict = _from_flax(state_dict, model)
     else:
         state_dict = unwrap_checkpoint(state_dict)
-    return check_state_dict(state_dict, model, adaptable=('head.fc.',), first_conv='stem')
+    return check_state_dict(state_dict, model, adaptable=('head.fc.',), first_conv='stem.conv')
 
 
 # --------------------------------------------------------------------------------------------
@@ -653,7 +654,7 @@ def _cfg(**kwargs) -> Dict[str, Any]:
         'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
         'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
         'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'stem', 'classifier': 'head.fc',
+        'first_conv': 'stem.conv', 'classifier': 'head.fc',
         'license': 'mit', 'origin_url': 'https://github.com/moabarar/qna',
         'paper_ids': 'arXiv:2112.11435', 'paper_name': 'Learned Queries for Efficient Local Attention',
         'notes': ('official ImageNet-1k weights: Flax checkpoints linked from the origin_url '
@@ -675,26 +676,10 @@ _SMALL = dict(_TINY, qna_depths=(2, 3, 6, 0), lsa_depths=(0, 0, 12, 2), drop_pat
 _BASE = dict(_SMALL, embed_dim=96, qna_heads=(6, 12, 24, 48), lsa_heads=(3, 6, 12, 24),
              drop_path_rate=0.5)
 
-
-@register_model
-def qna_vit_tiny(pretrained: bool = False, **kwargs) -> QnAViT:
-    """QnA-ViT-Tiny (15.7M params, 2.5 GMACs @ 224), 3x3 QnA windows."""
-    return _create_qna_vit('qna_vit_tiny', pretrained, _TINY, **kwargs)
-
-
-@register_model
-def qna_vit_tiny_7x7(pretrained: bool = False, **kwargs) -> QnAViT:
-    """QnA-ViT-Tiny with 7x7 QnA windows (15.8M params, 2.5 GMACs @ 224)."""
-    return _create_qna_vit('qna_vit_tiny_7x7', pretrained, dict(_TINY, kernel_size=7), **kwargs)
-
-
-@register_model
-def qna_vit_small(pretrained: bool = False, **kwargs) -> QnAViT:
-    """QnA-ViT-Small (25.0M params, 4.4 GMACs @ 224)."""
-    return _create_qna_vit('qna_vit_small', pretrained, _SMALL, **kwargs)
-
-
-@register_model
-def qna_vit_base(pretrained: bool = False, **kwargs) -> QnAViT:
-    """QnA-ViT-Base (55.7M params, 9.6 GMACs @ 224)."""
-    return _create_qna_vit('qna_vit_base', pretrained, _BASE, **kwargs)
+register_variants(globals(), _create_qna_vit, {
+    'qna_vit_tiny': ("QnA-ViT-Tiny (15.7M params, 2.4 GMACs @ 224), 3x3 QnA windows.", _TINY),
+    'qna_vit_tiny_7x7': ("QnA-ViT-Tiny with 7x7 QnA windows (15.8M params, 2.5 GMACs @ 224).",
+                         dict(_TINY, kernel_size=7)),
+    'qna_vit_small': ("QnA-ViT-Small (25.0M params, 4.3 GMACs @ 224).", _SMALL),
+    'qna_vit_base': ("QnA-ViT-Base (55.7M params, 9.5 GMACs @ 224).", _BASE),
+})

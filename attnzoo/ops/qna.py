@@ -38,8 +38,8 @@ The reference runs as ``torch.library`` custom ops (``attnzoo::qna2d`` and its b
 torch.compile and torch.fx see one opaque call each way, so the data-dependent choice of form
 stays out of their graphs.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torch.library.custom_op reads the annotations as
+# types, and torch 2.4 evaluates string annotations outside this module.
 import math
 from typing import NamedTuple, Optional, Tuple
 
