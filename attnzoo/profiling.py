@@ -8,6 +8,10 @@ from typing import Callable, List, Sequence, Union
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from . import backends
+
+__all__ = ["count_params", "count_macs", "time_steps"]
+
 
 def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(query, key, value)  # FlopCounterMode passes shapes
@@ -17,10 +21,6 @@ def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
 # flash kernel: without this, a model's count would depend on its device.
 _SDPA_CPU = {op: _sdpa_cpu_flops for op in [
     getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)] if op is not None}
-
-from . import backends
-
-__all__ = ["count_params", "count_macs", "time_steps"]
 
 
 def count_params(model: torch.nn.Module) -> int:
