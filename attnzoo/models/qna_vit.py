@@ -24,7 +24,7 @@ Mapping onto timm's layout (attnzoo's model policy, :mod:`attnzoo.models`): that
 block (QnA with stride 2 and a 1x1 stride-2 conv skip) is the ``downsample`` leading
 ``stages.{i+1}``, so ``stages.0`` is the first two QnA blocks at stride 4, ``stages.1`` the first
 downsampling block and three QnA blocks at stride 8, and so on: a stage's output is the last
-feature map at its resolution (NCHW, ``dims[i]`` channels, reduction ``4 * 2**i``), which is what
+feature map at its resolution (NCHW, ``embed_dim * 2**i`` channels, reduction ``4 * 2**i``), what
 ``features_only`` / ``forward_intermediates`` return. Execution order, and so the drop-path
 schedule (linear over every block, the downsampling ones included, which drop only their MLP
 branch), is the official one.
