@@ -182,12 +182,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ks = [k for k in args.kernels if ("qna", k) in rows and ("sasa", k) in rows]
     if len(ks) >= 2:
         lo, hi = ks[0], ks[-1]
-        grow = lambda layer: rows[layer, hi]["ms"] / rows[layer, lo]["ms"]  # noqa: E731
-        print(f"Growth k={lo} -> k={hi}: QnA time x{grow('qna'):.1f}, SASA time "
-              f"x{grow('sasa'):.1f}; QnA memory x"
-              f"{rows['qna', hi]['peak_mib'] / max(rows['qna', lo]['peak_mib'], 1e-9):.1f}, SASA "
-              f"memory x{rows['sasa', hi]['peak_mib'] / max(rows['sasa', lo]['peak_mib'], 1e-9):.1f}"
-              f" (k*k grows x{hi * hi / (lo * lo):.1f}).")
+        def grow(layer, key):
+            return rows[layer, hi][key] / max(rows[layer, lo][key], 1e-9)
+        print(f"Growth k={lo} -> k={hi}: QnA time x{grow('qna', 'ms'):.1f}, SASA time "
+              f"x{grow('sasa', 'ms'):.1f}; QnA memory x{grow('qna', 'peak_mib'):.1f}, SASA memory "
+              f"x{grow('sasa', 'peak_mib'):.1f} (k*k grows x{hi * hi / (lo * lo):.1f}).")
     return 0
 
 

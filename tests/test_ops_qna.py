@@ -8,7 +8,6 @@ the queries unless sum_queries=False); in float64. Nothing from attnzoo.ops is r
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

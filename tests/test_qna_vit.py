@@ -346,7 +346,8 @@ def test_head_contract():
     assert not any('queries' in n or 'proj' in n for n in model.no_weight_decay())
     from timm.models._manipulate import group_parameters
     groups = group_parameters(model, model.group_matcher(), reverse=True)
-    order = ['stem.conv.weight', 'stages.0.blocks.0.attn.queries', 'stages.1.downsample.attn.k.weight',
+    order = ['stem.conv.weight', 'stages.0.blocks.0.attn.queries',
+             'stages.1.downsample.attn.k.weight',
              'stages.1.blocks.0.norm1.weight', 'norm.weight']
     ids = [groups[n] for n in order]
     assert ids == sorted(ids) and len(set(ids)) == 4 and ids[2] == ids[3]
@@ -519,7 +520,8 @@ def test_official_checkpoint_into_adapted_models(official_small, tmp_path):
     path, params = official_small
     for change in (dict(in_chans=1, num_classes=5), dict(num_classes=0)):
         sd = load_official('qna_vit_tiny', path, **dict(SMALL, **change))
-        assert sd['stem.conv.weight'].shape == (16, 3, 4, 4) and sd['head.fc.weight'].shape == (10, 128)
+        assert sd['stem.conv.weight'].shape == (16, 3, 4, 4)
+        assert sd['head.fc.weight'].shape == (10, 128)
     leaf = 'QnAStage_0/QnA_Block_1/FusedKQnA_0/attn_scale_weights'
     flat_path = _mutated(tmp_path, params, lambda f: f.update({leaf: f[leaf].reshape(9, 4)}))
     sd = load_official('qna_vit_tiny', flat_path, **SMALL)

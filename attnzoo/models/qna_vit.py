@@ -656,7 +656,8 @@ def _cfg(**kwargs) -> Dict[str, Any]:
         'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
         'first_conv': 'stem.conv', 'classifier': 'head.fc',
         'license': 'mit', 'origin_url': 'https://github.com/moabarar/qna',
-        'paper_ids': 'arXiv:2112.11435', 'paper_name': 'Learned Queries for Efficient Local Attention',
+        'paper_ids': 'arXiv:2112.11435',
+        'paper_name': 'Learned Queries for Efficient Local Attention',
         'notes': ('official ImageNet-1k weights: Flax checkpoints linked from the origin_url '
                   'README; convert with `attnzoo convert`',),
         **kwargs,
