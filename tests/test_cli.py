@@ -63,7 +63,7 @@ def test_cli_bench_reports_every_backend(capsys):
                                               "[4/4] cuda"]
     assert "img/s" in rows[0] and "img/s" in rows[1]
     assert "[auto picked na2d: torch]" in rows[0]  # auto names the backend it chose per op
-    # NAT uses relative positional bias: NATTEN >= 0.20 and the unimplemented cuda backend
+    # NAT uses relative positional bias: NATTEN >= 0.20 and the cuda backend (on CPU tensors)
     # must say why they cannot run it rather than fall back.
     assert "unavailable" in rows[2] and "unavailable" in rows[3]
 

@@ -299,6 +299,8 @@ class NACall(NamedTuple):
     head_dim: int
     rpb: bool
     grad: bool
+    kernel_size: Tuple[int, ...] = ()  # () where unknown: no kernel-size limit is checked
+    v_dim: int = 0                     # 0: same as head_dim
 
 
 _NATTEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -353,16 +355,24 @@ def _na_natten(q, k, v, kernel_size, dilation, rpb, scale):
 # --------------------------------------------------------------------------------------------
 
 def _cuda_support(call: NACall) -> Optional[str]:
-    # A named slot: the fused Triton kernels land in a later release.
-    return f"attnzoo's Triton kernels for na{call.ndim}d are not implemented yet"
+    from .. import kernels
+    reason = kernels.triton_missing()
+    if reason is not None:
+        return reason
+    from ..kernels import neighborhood as kernel
+    return kernel.support(call.device, call.dtype, call.head_dim, call.v_dim or call.head_dim,
+                          call.kernel_size)
 
 
-def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):  # pragma: no cover - unreachable
-    raise backends.BackendUnsupportedError("attnzoo's Triton NA kernels are not implemented yet")
+def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):
+    from ..kernels.neighborhood import na_fused
+    return na_fused(q, k, v, kernel_size, dilation, rpb, scale)
 
 
 def _auto_order(call: NACall) -> Tuple[str, ...]:
-    # On CPU the tiled torch reference is 10-40x faster than NATTEN's unfused Flex path.
+    # On CPU the tiled torch reference is 10-40x faster than NATTEN's unfused Flex path (and
+    # the Triton interpreter is for tests only). On CUDA our fused kernels come first: they
+    # also take the rpb, which NATTEN >= 0.20 does not.
     return ("cuda", "natten", "torch") if call.device == "cuda" else ("torch",)
 
 
@@ -416,7 +426,7 @@ def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, rpb))
-    call = NACall(n, q.device.type, q.dtype, q.shape[-1], rpb is not None, grad)
+    call = NACall(n, q.device.type, q.dtype, q.shape[-1], rpb is not None, grad, ks, v.shape[-1])
     return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale)
 
 
