@@ -141,7 +141,7 @@ def _cmd_convert(args, parser) -> int:
     _check_model(parser, args.model)
     try:
         state_dict = load_official(args.model, args.checkpoint)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         parser.error(f"{args.checkpoint}: {e}")
     save_converted(state_dict, args.out)
     print(f"wrote {args.out} ({len(state_dict)} tensors). Load it with timm.create_model("

@@ -1,5 +1,6 @@
 """nn.Modules built on :mod:`attnzoo.ops`."""
 from .neighborhood import NeighborhoodAttention2d
+from .qna import LocalSelfAttention, QnA, QnAUpsample
 from .san import SAM
 
-__all__ = ["NeighborhoodAttention2d", "SAM"]
+__all__ = ["NeighborhoodAttention2d", "QnA", "QnAUpsample", "LocalSelfAttention", "SAM"]
