@@ -69,21 +69,17 @@ def _check_map(fn: str, name: str, t: object) -> torch.Tensor:
 
 
 class Footprint(NamedTuple):
+    # plain fields, no properties or methods: torch 2.4's Dynamo cannot trace those on a tuple
     kernel_size: Tuple[int, int]
     dilation: Tuple[int, int]
     stride: Tuple[int, int]
     padding_mode: str
+    padding: Tuple[int, int]   # dilation * (kernel_size - 1) // 2 per axis
+    taps: int                  # kh * kw
 
-    @property
-    def padding(self) -> Tuple[int, int]:
-        return tuple(d * (k - 1) // 2 for k, d in zip(self.kernel_size, self.dilation))
 
-    @property
-    def taps(self) -> int:
-        return self.kernel_size[0] * self.kernel_size[1]
-
-    def out_size(self, H: int, W: int) -> Tuple[int, int]:
-        return (H - 1) // self.stride[0] + 1, (W - 1) // self.stride[1] + 1
+def _out_size(fp: Footprint, H: int, W: int) -> Tuple[int, int]:
+    return (H - 1) // fp.stride[0] + 1, (W - 1) // fp.stride[1] + 1
 
 
 def _footprint(fn: str, x: torch.Tensor, kernel_size, dilation, stride,
@@ -101,7 +97,8 @@ def _footprint(fn: str, x: torch.Tensor, kernel_size, dilation, stride,
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"{fn}: padding_mode must be one of {PADDING_MODES}, got "
                          f"{padding_mode!r}")
-    fp = Footprint(ks, dil, st, padding_mode)
+    fp = Footprint(ks, dil, st, padding_mode,
+                   tuple(d * (k - 1) // 2 for k, d in zip(ks, dil)), ks[0] * ks[1])
     H, W = x.shape[-2:]
     if padding_mode == "reflect" and (fp.padding[0] >= H or fp.padding[1] >= W):
         raise ValueError(
@@ -121,10 +118,29 @@ def _same(fn: str, a: torch.Tensor, b: torch.Tensor, names: str) -> None:
 # torch reference
 # --------------------------------------------------------------------------------------------
 
+def _cpu_half_reflection() -> bool:
+    try:  # torch < 2.5 has no float16 reflection padding on CPU
+        F.pad(torch.zeros(1, 1, 2, 2, dtype=torch.float16), (1, 1, 1, 1), mode="reflect")
+        return True
+    except RuntimeError:
+        return False
+
+
+_CPU_HALF_REFLECTION = _cpu_half_reflection()
+
+
+def _reflect_in_float32(x: torch.Tensor) -> bool:
+    return (not _CPU_HALF_REFLECTION and x.dtype == torch.float16
+            and x.device.type == "cpu")
+
+
 def _pad(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     ph, pw = fp.padding
-    mode = "reflect" if fp.padding_mode == "reflect" else "constant"
-    return F.pad(x, (pw, pw, ph, ph), mode=mode)
+    if fp.padding_mode != "reflect":
+        return F.pad(x, (pw, pw, ph, ph))
+    if _reflect_in_float32(x):
+        return F.pad(x.float(), (pw, pw, ph, ph), mode="reflect").to(x.dtype)
+    return F.pad(x, (pw, pw, ph, ph), mode="reflect")
 
 
 def _centre(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
@@ -167,7 +183,7 @@ class _Aggregation(torch.autograd.Function):
         ctx.fp = fp
         N, C, H, W = x.shape
         Cw = weight.shape[1]
-        Ho, Wo = fp.out_size(H, W)
+        Ho, Wo = _out_size(fp, H, W)
         xp = _pad(x, fp)
         xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
         w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
@@ -182,7 +198,7 @@ class _Aggregation(torch.autograd.Function):
         fp = ctx.fp
         N, C, H, W = x.shape
         Cw = weight.shape[1]
-        Ho, Wo = fp.out_size(H, W)
+        Ho, Wo = _out_size(fp, H, W)
         ph, pw = fp.padding
         go = grad_out.reshape(N, C // Cw, Cw, Ho, Wo)
         grad_x = grad_w = None
@@ -200,7 +216,11 @@ class _Aggregation(torch.autograd.Function):
                 gxp[..., rows, cols].addcmul_(w[:, :, :, t], go)
             gxp = gxp.view(N, C, H + 2 * ph, W + 2 * pw)
             if fp.padding_mode == "reflect":  # fold the reflected taps back onto their sources
-                grad_x = torch.ops.aten.reflection_pad2d_backward(gxp, x, [pw, pw, ph, ph])
+                if _reflect_in_float32(x):
+                    grad_x = torch.ops.aten.reflection_pad2d_backward(
+                        gxp.float(), x.float(), [pw, pw, ph, ph]).to(x.dtype)
+                else:
+                    grad_x = torch.ops.aten.reflection_pad2d_backward(gxp, x, [pw, pw, ph, ph])
             else:
                 grad_x = gxp[:, :, ph:ph + H, pw:pw + W]
         return grad_x, grad_w, None
@@ -264,7 +284,7 @@ def _aggregation_macs(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> i
 
 
 def _positions(x: torch.Tensor, fp: Footprint) -> int:
-    Ho, Wo = fp.out_size(*x.shape[-2:])
+    Ho, Wo = _out_size(fp, *x.shape[-2:])
     return Ho * Wo
 
 
@@ -380,7 +400,7 @@ def san_aggregation(x: torch.Tensor, weight: torch.Tensor, *, kernel_size: IntOr
     _same(fn, x, weight, "x and weight")
     fp = _footprint(fn, x, kernel_size, dilation, stride, padding_mode)
     N, C = x.shape[:2]
-    Ho, Wo = fp.out_size(*x.shape[-2:])
+    Ho, Wo = _out_size(fp, *x.shape[-2:])
     Cw = weight.shape[1]
     if weight.shape[0] != N or weight.shape[2:] != (fp.taps, Ho * Wo) or Cw < 1 or C % Cw:
         raise ValueError(
