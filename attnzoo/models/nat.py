@@ -106,6 +106,7 @@ class NATBlock(nn.Module):
             drop_path: float = 0.,
             layer_scale: Optional[float] = None,
             backend: Optional[str] = None,
+            attn_norm: str = "none",
             device=None,
             dtype=None,
     ):
@@ -115,7 +116,7 @@ class NATBlock(nn.Module):
         self.attn = NeighborhoodAttention2d(
             dim, num_heads, kernel_size=kernel_size, dilation=dilation, qkv_bias=qkv_bias,
             rel_pos_bias=rel_pos_bias, attn_drop=attn_drop, proj_drop=proj_drop, backend=backend,
-            **dd)
+            attn_norm=attn_norm, **dd)
         self.ls1 = LayerScale(dim, layer_scale, **dd) if layer_scale is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=_LN_EPS, **dd)
@@ -184,6 +185,9 @@ class NAT(nn.Module):
         drop_path_rate: stochastic depth, linear from 0 over all blocks.
         layer_scale: initial value of the layer-scale gammas (``None``: no layer scale).
         backend: NA backend for every layer (``None``: follow :mod:`attnzoo.backends`).
+        attn_norm: ``"none"`` (NAT / DiNAT) or ``"quest"``: every block's attention normalises
+            its keys and uses scale 1 (QUEST, arXiv:2604.00199); same parameters, so NAT / DiNAT
+            weights load as an initialisation (``timm.create_model('nat_mini', attn_norm='quest')``).
     """
 
     def __init__(
@@ -205,6 +209,7 @@ class NAT(nn.Module):
             drop_path_rate: float = 0.2,
             layer_scale: Optional[float] = None,
             backend: Optional[str] = None,
+            attn_norm: str = "none",
             device=None,
             dtype=None,
     ):
@@ -233,7 +238,7 @@ class NAT(nn.Module):
                 drop_path=dpr[i], num_heads=heads[i], kernel_size=kernel_sizes[i],
                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, rel_pos_bias=rel_pos_bias,
                 proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, layer_scale=layer_scale,
-                backend=backend, **dd))
+                backend=backend, attn_norm=attn_norm, **dd))
             self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
             in_dim = dim
         self.stages = nn.Sequential(*stages)
