@@ -379,6 +379,10 @@ def test_standard_checkpoint_initialises_quest(tmp_path):
         assert (quest(x) - deit(x)).abs().max() > 1e-3
     for k, v in deit.state_dict().items():
         assert torch.equal(quest.state_dict()[k], v), k
+    # QKNorm's per-head scale is new: it keeps its initial value (10)
+    qk = timm.create_model('quest_vit_tiny_patch16_224', attn_layer='qknorm', **kw)
+    assert torch.equal(qk.blocks[1].attn.logit_scale.exp(), torch.full((3, 1, 1), 10.))
+    assert torch.equal(qk.blocks[1].attn.qkv.weight, deit.blocks[1].attn.qkv.weight)
 
 
 def test_from_timm_weights_offline(tmp_path):
@@ -601,9 +605,15 @@ def test_nat_quest_every_block_matches_bruteforce():
         with torch.no_grad():
             assert (attn(x) - out).abs().max() > 1e-3
         attn.attn_norm, attn.scale = 'quest', 1.0
-    with torch.no_grad():  # the whole model runs, scripted too
+    from timm.layers import get_notrace_functions, get_notrace_modules
+    from torchvision.models.feature_extraction import create_feature_extractor
+    with torch.no_grad():  # the whole model runs, scripted and FX-traced too
         x = torch.randn(1, 3, 40, 48)
-        torch.testing.assert_close(torch.jit.script(model)(x), model(x))
+        ref = model(x)
+        torch.testing.assert_close(torch.jit.script(model)(x), ref)
+        kw = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions())
+        fx = create_feature_extractor(model, return_nodes=['head.fc'], tracer_kwargs=kw)
+        torch.testing.assert_close(fx(x)['head.fc'], ref)
 
 
 def test_na_quest_natten_backend():

@@ -67,7 +67,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: VisionTransformer) -
     """timm's ViT filter (DeiT-3 ``gamma_1/2`` -> ``ls1/2.gamma``, position-embedding and patch
     resampling, foreign ViT layouts), then a check naming every key or shape that does not match
     ``model``; the classifier and the patch embedding's input channels are left for timm to
-    adapt (``num_classes`` / ``in_chans``)."""
+    adapt (``num_classes`` / ``in_chans``). A ``qknorm`` model's ``logit_scale``, which standard
+    checkpoints lack, keeps its initial value."""
     state_dict = unwrap_checkpoint(state_dict)
     pos_embed = state_dict.get('pos_embed')
     if pos_embed is not None and model.pos_embed is not None:
@@ -82,15 +83,17 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: VisionTransformer) -
                 f"(no_embed_class={model.no_embed_class}): a DeiT checkpoint for a DeiT-3 model "
                 "or the reverse?")
     state_dict = _vit_checkpoint_filter_fn(state_dict, model, adapt_layer_scale=True)
+    for k, v in model.state_dict().items():
+        if k.endswith('attn.logit_scale') and k not in state_dict:
+            state_dict[k] = v  # QKNorm's own scale: standard checkpoints lack it, keep its init
     return check_state_dict(state_dict, model, adaptable=('head.',),
                             first_conv='patch_embed.proj')
 
 
 def _no_weights_hint(variant: str) -> str:
-    counterpart = TIMM_COUNTERPARTS.get(variant, 'the plain timm ViT of the same size')
     return (f"{variant}: no QUEST weights exist (the paper published none), so pretrained=True "
             "would give a randomly initialised model. A standard-attention checkpoint of the same "
-            f"architecture ({counterpart}) loads as an initialisation for fine-tuning, not as a "
+            f"architecture ({TIMM_COUNTERPARTS[variant]}) loads as an initialisation for fine-tuning, not as a "
             "trained QUEST model (its logits change): "
             f"attnzoo.models.quest_vit.from_timm_weights('{variant}'), or "
             f"timm.create_model('{variant}', pretrained=True, "
@@ -119,7 +122,7 @@ def from_timm_weights(model_name: str, timm_tag: Optional[str] = None,
     change, so fine-tune it; its ``pretrained_cfg`` names the source weights and says so.
 
     ``kwargs`` go to ``timm.create_model`` (``num_classes``, ``attn_layer``, ``img_size``, ...)."""
-    counterpart = TIMM_COUNTERPARTS.get(model_name.split('.', 1)[0])
+    counterpart = TIMM_COUNTERPARTS.get(model_name)
     if counterpart is None:
         raise ValueError(f"model_name must be a QUEST-ViT ({', '.join(TIMM_COUNTERPARTS)}), "
                          f"got {model_name!r}")
@@ -149,21 +152,17 @@ def from_timm_weights(model_name: str, timm_tag: Optional[str] = None,
                              **kwargs)
 
 
-def _cfg(**kwargs) -> Dict[str, Any]:
-    # No weights: no url / hf_hub_id / tag. Data config as timm's DeiT cfgs.
-    return {
-        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
-        'crop_pct': .9, 'interpolation': 'bicubic', 'fixed_input_size': True,
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'patch_embed.proj', 'classifier': 'head',
-        'paper_ids': 'arXiv:2604.00199',
-        'paper_name': 'QUEST: A robust attention formulation using Query-modulated spherical '
-                      'attention',
-        **kwargs,
-    }
+# No weights: no url / hf_hub_id / tag. Data config as timm's DeiT cfgs.
+_CFG = {
+    'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
+    'crop_pct': .9, 'interpolation': 'bicubic', 'fixed_input_size': True,
+    'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+    'first_conv': 'patch_embed.proj', 'classifier': 'head',
+    'paper_ids': 'arXiv:2604.00199',
+    'paper_name': 'QUEST: A robust attention formulation using Query-modulated spherical attention',
+}
 
-
-default_cfgs = generate_default_cfgs({name: _cfg() for name in TIMM_COUNTERPARTS})
+default_cfgs = generate_default_cfgs({name: dict(_CFG) for name in TIMM_COUNTERPARTS})
 
 _DEIT3 = dict(no_embed_class=True, init_values=1e-6)
 
