@@ -10,7 +10,8 @@ norm to "steal attention" from every query, and every logit is bounded by its qu
 parameters and state dict (no new parameter except for ``formulation='qknorm'``), the fused
 ``F.scaled_dot_product_attention`` path wherever ``timm.layers.use_fused_attn()`` allows it and
 the explicit matmul path otherwise. It plugs into timm's ``VisionTransformer`` (and its ``Block``)
-through their ``attn_layer`` argument, so a QUEST ViT is timm's ViT, not a fork.
+through their ``attn_layer`` argument, so a QUEST ViT is timm's ViT, not a fork; any timm ViT
+becomes one: ``timm.create_model('vit_small_patch16_224', attn_layer=QuestAttention)``.
 
 :func:`l2_normalize` is the shared normalisation: local attention layers (neighborhood attention,
 windowed self-attention) offer ``attn_norm="quest"`` by normalising their keys with it before
