@@ -99,6 +99,24 @@ def test_attention_equals_algorithm_a1(formulation, fused):
         _assert_close(a, r, tol)
 
 
+def test_fused_path_is_sdpa_with_scale_one(monkeypatch):
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs['scale'])
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(F, 'scaled_dot_product_attention', spy)
+    x = torch.randn(1, 4, DIM)
+    assert QuestAttention(DIM, HEADS).fused_attn == timm.layers.use_fused_attn()
+    _attention('quest', fused=True)(x)
+    _attention('standard', fused=True)(x)
+    _attention('quest', fused=False)(x)
+    assert calls == [1.0, (DIM // HEADS) ** -0.5]
+    monkeypatch.setattr(timm.layers.config, '_USE_FUSED_ATTN', 0)  # as set_fused_attn(False)
+    assert not QuestAttention(DIM, HEADS).fused_attn
+
+
 def test_standard_formulation_is_timms_attention():
     """formulation='standard' is timm's Attention on the same weights, on both paths."""
     ours = _attention('standard')
