@@ -16,12 +16,12 @@ import attnzoo
 from attnzoo.layers import NeighborhoodAttention2d
 from attnzoo.layers.quest import (FORMULATIONS, QKNormAttention, QNormAttention, QuestAttention,
                                   StandardAttention, attn_layer_for, l2_normalize)
-from attnzoo.models.nat import NAT
 from attnzoo.models.quest_vit import TIMM_COUNTERPARTS, checkpoint_filter_fn, from_timm_weights
 from attnzoo.profiling import count_params
 from checkpoint_layouts import deit3_official_manifest
 from hub_cache import offline_hf_cache, write_hf_cache
 from test_nat import _na_bruteforce
+from test_nat import _tiny as _nat_tiny  # a small DiNAT-style NAT
 
 DIM, HEADS = 24, 3
 
@@ -574,15 +574,6 @@ def test_script_fx_compile_autocast_checkpointing():
 # ----------------------------------------------------------------------------------------------
 # QUEST on neighborhood attention (NAT / DiNAT)
 # ----------------------------------------------------------------------------------------------
-
-def _nat_tiny(**kwargs):
-    cfg = dict(embed_dim=16, depths=(1, 2, 2, 1), num_heads=(1, 2, 2, 4), mlp_ratio=2.,
-               dilations=((2,), (1, 2), (2, 1), (1,)), kernel_size=3, num_classes=7,
-               drop_path_rate=0.)
-    cfg.update(kwargs)
-    torch.manual_seed(0)
-    return NAT(**cfg).eval()
-
 
 def _na_quest_reference(attn, x):
     """qkv, zero-padding to K*d as the layer does, brute-force NA with L2-normalised keys and

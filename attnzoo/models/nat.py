@@ -187,7 +187,8 @@ class NAT(nn.Module):
         backend: NA backend for every layer (``None``: follow :mod:`attnzoo.backends`).
         attn_norm: ``"none"`` (NAT / DiNAT) or ``"quest"``: every block's attention normalises
             its keys and uses scale 1 (QUEST, arXiv:2604.00199); same parameters, so NAT / DiNAT
-            weights load as an initialisation (``timm.create_model('nat_mini', attn_norm='quest')``).
+            weights load as an initialisation
+            (``timm.create_model('nat_mini.in1k', pretrained=True, attn_norm='quest')``).
     """
 
     def __init__(

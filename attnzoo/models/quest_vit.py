@@ -93,8 +93,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: VisionTransformer) -
 def _no_weights_hint(variant: str) -> str:
     return (f"{variant}: no QUEST weights exist (the paper published none), so pretrained=True "
             "would give a randomly initialised model. A standard-attention checkpoint of the same "
-            f"architecture ({TIMM_COUNTERPARTS[variant]}) loads as an initialisation for fine-tuning, not as a "
-            "trained QUEST model (its logits change): "
+            f"architecture ({TIMM_COUNTERPARTS[variant]}) loads as an initialisation for "
+            "fine-tuning, not as a trained QUEST model (its logits change): "
             f"attnzoo.models.quest_vit.from_timm_weights('{variant}'), or "
             f"timm.create_model('{variant}', pretrained=True, "
             "pretrained_cfg_overlay=dict(file=CHECKPOINT)).")
