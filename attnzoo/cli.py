@@ -141,7 +141,7 @@ def _cmd_convert(args, parser) -> int:
     _check_model(parser, args.model)
     try:
         state_dict = load_official(args.model, args.checkpoint)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         parser.error(f"{args.checkpoint}: {e}")
     save_converted(state_dict, args.out)
     print(f"wrote {args.out} ({len(state_dict)} tensors). Load it with timm.create_model("
@@ -157,8 +157,9 @@ def _cmd_timm(args, parser) -> int:
     if not os.path.isfile(script):
         parser.error(f"script {script!r} does not exist (timm's train.py, validate.py, "
                      "benchmark.py and inference.py are in timm's GitHub repository)")
+    saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *args.script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the script's own imports
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
@@ -166,6 +167,8 @@ def _cmd_timm(args, parser) -> int:
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
 
 

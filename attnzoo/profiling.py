@@ -6,11 +6,21 @@ import time
 from typing import Callable, List, Sequence, Union
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from . import backends
 
 __all__ = ["count_params", "count_macs", "time_steps"]
+
+
+def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)  # FlopCounterMode passes shapes
+
+
+# FlopCounterMode counts SDPA's CUDA kernels and its math path (the meta device) but not the CPU
+# flash kernel: without this, a model's count would depend on its device.
+_SDPA_CPU = {op: _sdpa_cpu_flops for op in [
+    getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)] if op is not None}
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -24,7 +34,7 @@ def count_macs(model: torch.nn.Module, input_size: Sequence[int]) -> int:
     NA reference does more, an elementwise aggregation shows FlopCounterMode nothing)."""
     param = next(model.parameters())
     x = torch.randn(*input_size, device=param.device, dtype=param.dtype)
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_SDPA_CPU)
     seen_flops, op_macs = [0], [0]
 
     @contextlib.contextmanager

@@ -32,9 +32,10 @@ def _config_line(model) -> str:
         if type(m).__module__.startswith("attnzoo.layers"):
             attn.setdefault(type(m).__name__, []).append(m)
     for cls, mods in attn.items():
-        parts.append(f"{len(mods)} x {cls}({mods[0].extra_repr()})")
-        if hasattr(model, "stages") and all(hasattr(m, "dilation") for m in mods):
-            parts.append(f"dilations per stage {[[m.dilation for m in s.modules() if m in mods] for s in model.stages]}")
+        configs: dict = {}
+        for m in mods:  # one line per distinct configuration, in order of appearance
+            configs[m.extra_repr()] = configs.get(m.extra_repr(), 0) + 1
+        parts += [f"{n} x {cls}({config})" for config, n in configs.items()]
     return "; ".join(parts)
 
 

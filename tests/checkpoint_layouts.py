@@ -141,6 +141,237 @@ def nat_to_transformers(state_dict: Dict[str, torch.Tensor], prefix: str = "nat.
 
 
 # ---------------------------------------------------------------------------------------------
+# QnA-ViT (shared/specs/qna_vit.md; the official Flax code, github.com/moabarar/qna:
+# models/qna_vit.py QnAViT / LSAStage / QnAStage / BaseBlock / ClassificationHead,
+# layers/qna.py FusedKQnA, layers/self_attention.py MultiHeadSelfAttention)
+# ---------------------------------------------------------------------------------------------
+
+def qna_official_manifest(embed_dim: int, qna_depths: Sequence[int], lsa_depths: Sequence[int],
+                          qna_heads: Sequence[int], lsa_heads: Sequence[int],
+                          kernel_sizes: Sequence[int], window_sizes: Sequence[int],
+                          num_queries: int = 2, mlp_ratio: int = 4, in_chans: int = 3,
+                          num_classes: int = 1000) -> Dict[str, Shape]:
+    """Every leaf of the official ``params`` tree ('/'-joined path -> shape).
+
+    Flax names compact submodules ``ClassName_<n>`` in creation order: per stage an LSAStage
+    (no params when it has no blocks) then a QnAStage; blocks are named explicitly
+    (``MSA_Block_{i}``, ``QnA_Block_{i}``, 1-based, and ``QnA_Block_{n+1}_stride_2`` for the
+    downsampling block of stages 0..2, which creates its skip ``Conv_0`` before its
+    ``LayerNorm_0``). Dense kernels are (in, out), convs HWIO; FusedKQnA's ``rpe_bias`` is
+    (k*k, L*h) and ``attn_scale_weights`` (1, 1, k*k, L*h)."""
+    C = embed_dim
+    leaves: Dict[str, Shape] = {"StemBlock_0/conv_1x1/kernel": (4, 4, in_chans, C)}
+
+    def base_block(prefix: str, dim: int) -> None:
+        for i, d in enumerate((dim, dim)):
+            leaves[f"{prefix}/LayerNorm_{i}/scale"] = (d,)
+            leaves[f"{prefix}/LayerNorm_{i}/bias"] = (d,)
+        leaves[f"{prefix}/MlpBlock_0/Dense_0/kernel"] = (dim, mlp_ratio * dim)
+        leaves[f"{prefix}/MlpBlock_0/Dense_0/bias"] = (mlp_ratio * dim,)
+        leaves[f"{prefix}/MlpBlock_0/Dense_1/kernel"] = (mlp_ratio * dim, dim)
+        leaves[f"{prefix}/MlpBlock_0/Dense_1/bias"] = (dim,)
+
+    def fused_kqna(prefix: str, cin: int, features: int, heads: int, k: int) -> None:
+        f = f"{prefix}/FusedKQnA_0"
+        leaves.update({
+            f"{f}/query": (num_queries, features),
+            f"{f}/Wk": (cin, features),
+            f"{f}/to_v/kernel": (cin, features),
+            f"{f}/to_out/kernel": (features, features),
+            f"{f}/rpe_bias": (k * k, num_queries * heads),
+            f"{f}/attn_scale_weights": (1, 1, k * k, num_queries * heads),
+        })
+
+    n_stages = len(qna_depths)
+    for s in range(n_stages):
+        dim = C * 2 ** s
+        for i in range(1, lsa_depths[s] + 1):
+            prefix = f"LSAStage_{s}/MSA_Block_{i}"
+            base_block(prefix, dim)
+            m = f"{prefix}/MultiHeadSelfAttention_0"
+            w = window_sizes[s]
+            leaves[f"{m}/to_qkv/kernel"] = (dim, 3 * dim)
+            leaves[f"{m}/RelativePositionalEmbedding_0/rpe_bias"] = ((2 * w - 1) ** 2, lsa_heads[s])
+            leaves[f"{m}/to_out/kernel"] = (dim, dim)
+        for i in range(1, qna_depths[s] + 1):
+            prefix = f"QnAStage_{s}/QnA_Block_{i}"
+            base_block(prefix, dim)
+            fused_kqna(prefix, dim, dim, qna_heads[s], kernel_sizes[s])
+        if s < n_stages - 1:
+            prefix = f"QnAStage_{s}/QnA_Block_{qna_depths[s] + 1}_stride_2"
+            leaves[f"{prefix}/Conv_0/kernel"] = (1, 1, dim, 2 * dim)
+            leaves[f"{prefix}/LayerNorm_0/scale"] = (dim,)
+            leaves[f"{prefix}/LayerNorm_0/bias"] = (dim,)
+            fused_kqna(prefix, dim, 2 * dim, 2 * qna_heads[s], kernel_sizes[s])
+            out = 2 * dim
+            leaves[f"{prefix}/LayerNorm_1/scale"] = (out,)
+            leaves[f"{prefix}/LayerNorm_1/bias"] = (out,)
+            leaves[f"{prefix}/MlpBlock_0/Dense_0/kernel"] = (out, mlp_ratio * out)
+            leaves[f"{prefix}/MlpBlock_0/Dense_0/bias"] = (mlp_ratio * out,)
+            leaves[f"{prefix}/MlpBlock_0/Dense_1/kernel"] = (mlp_ratio * out, out)
+            leaves[f"{prefix}/MlpBlock_0/Dense_1/bias"] = (out,)
+    last = C * 2 ** (n_stages - 1)
+    leaves.update({
+        "ClassificationHead_0/LayerNorm_0/scale": (last,),
+        "ClassificationHead_0/LayerNorm_0/bias": (last,),
+        "ClassificationHead_0/head_logits/kernel": (last, num_classes),
+        "ClassificationHead_0/head_logits/bias": (num_classes,),
+    })
+    return leaves
+
+
+def nest(flat: Dict[str, object]) -> Dict[str, object]:
+    """'/'-joined paths -> the nested dict Flax serialises."""
+    tree: Dict[str, object] = {}
+    for path, leaf in flat.items():
+        node = tree
+        *parents, name = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = leaf
+    return tree
+
+
+def write_flax_checkpoint(path, params: Dict[str, object], step: int = 1000,
+                          chunked: Sequence[str] = ()) -> None:
+    """Write ``params`` (a nested dict of numpy arrays) as a Flax legacy checkpoint: msgpack of
+    the training state's state dict, arrays as extension type 1 (``msgpack((shape, dtype name,
+    C-order bytes))``), numpy scalars as type 3, as ``flax.serialization.to_bytes`` does (see
+    its docs / source: ``_msgpack_ext_pack``, ``msgpack_serialize``). AdamW's state (optax's
+    tuple of states, serialised as dicts keyed '0', '1', ...) holds two more copies of the tree.
+    Leaves listed in ``chunked`` are stored as Flax's ``__msgpack_chunked_array__`` dicts (what
+    it does above 1 GiB), in two chunks."""
+    import msgpack
+    import numpy as np
+
+    def ext_pack(x):
+        if isinstance(x, np.ndarray):
+            return msgpack.ExtType(1, msgpack.packb((x.shape, x.dtype.name, x.tobytes("C")),
+                                                    use_bin_type=True))
+        if isinstance(x, np.generic):
+            a = np.asarray(x)
+            return msgpack.ExtType(3, msgpack.packb((a.shape, a.dtype.name, a.tobytes("C")),
+                                                    use_bin_type=True))
+        return x
+
+    def chunk(a):
+        flat = a.reshape(-1)
+        half = max(1, flat.size // 2)
+        return {"__msgpack_chunked_array__": True,
+                "shape": {str(i): s for i, s in enumerate(a.shape)},
+                "chunks": {"0": flat[:half], "1": flat[half:]}}
+
+    def with_chunks(tree, prefix=""):
+        out = {}
+        for k, v in tree.items():
+            p = f"{prefix}{k}"
+            out[k] = with_chunks(v, p + "/") if isinstance(v, dict) else (
+                chunk(v) if p in chunked else v)
+        return out
+
+    zeros = lambda t: {k: zeros(v) if isinstance(v, dict) else np.zeros_like(v)  # noqa: E731
+                       for k, v in t.items()}
+    state = {
+        "step": np.int64(step),
+        "params": with_chunks(params),
+        "opt_state": {"0": {"count": np.int32(step), "mu": zeros(params), "nu": zeros(params)},
+                      "1": {}, "2": {"count": np.int32(step)}},
+        "batch_stats": None,
+        "dynamic_scale": None,
+    }
+    with open(path, "wb") as f:
+        f.write(msgpack.packb(state, default=ext_pack, strict_types=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# SAN (shared/specs/san.md; hszhao/SAN model/san.py: conv_in, bn_in, conv{i}, bn{i},
+# layer{i}.{j}.{bn1, sam, bn2, conv}, fc; tool/train.py saves {'epoch', 'state_dict', ...} of the
+# DDP-wrapped model, so every key carries 'module.')
+# ---------------------------------------------------------------------------------------------
+
+def _bn(prefix: str, c: int) -> Dict[str, Shape]:
+    return {prefix + "weight": (c,), prefix + "bias": (c,), prefix + "running_mean": (c,),
+            prefix + "running_var": (c,), prefix + "num_batches_tracked": ()}
+
+
+def san_official_manifest(depths: Sequence[int], sa_type: str,
+                          kernels: Sequence[int] = (3, 7, 7, 7, 7),
+                          widths: Sequence[int] = (64, 256, 512, 1024, 2048),
+                          stem: int = 64, num_classes: int = 1000) -> Dict[str, Shape]:
+    """Every key of the official model's state dict (without ``module.``), with its shape."""
+    keys: Dict[str, Shape] = {"conv_in.weight": (stem, 3, 1, 1), **_bn("bn_in.", stem)}
+    prev = stem
+    for i, (depth, c, k) in enumerate(zip(depths, widths, kernels)):
+        keys[f"conv{i}.weight"] = (c, prev, 1, 1)
+        keys.update(_bn(f"bn{i}.", c))
+        rel, mid = c // 16, c // 4
+        cw = mid // 8
+        for j in range(depth):
+            b = f"layer{i}.{j}."
+            keys.update(_bn(b + "bn1.", c))
+            for name, out in (("conv1", rel), ("conv2", rel), ("conv3", mid)):
+                keys[f"{b}sam.{name}.weight"] = (out, c, 1, 1)
+                keys[f"{b}sam.{name}.bias"] = (out,)
+            if sa_type == "pairwise":
+                keys.update(_bn(b + "sam.conv_w.0.", rel + 2))
+                keys[b + "sam.conv_w.2.weight"] = (rel, rel + 2, 1, 1)
+                keys.update(_bn(b + "sam.conv_w.3.", rel))
+                keys[b + "sam.conv_w.5.weight"] = (cw, rel, 1, 1)
+                keys[b + "sam.conv_w.5.bias"] = (cw,)
+                keys[b + "sam.conv_p.weight"] = (2, 2, 1, 1)
+                keys[b + "sam.conv_p.bias"] = (2,)
+            else:
+                keys.update(_bn(b + "sam.conv_w.0.", rel * (k * k + 1)))
+                keys[b + "sam.conv_w.2.weight"] = (cw, rel * (k * k + 1), 1, 1)
+                keys.update(_bn(b + "sam.conv_w.3.", cw))
+                keys[b + "sam.conv_w.5.weight"] = (k * k * cw, cw, 1, 1)
+                keys[b + "sam.conv_w.5.bias"] = (k * k * cw,)
+            keys.update(_bn(b + "bn2.", mid))
+            keys[b + "conv.weight"] = (c, mid, 1, 1)
+            keys[b + "conv.bias"] = (c,)
+        prev = c
+    keys["fc.weight"] = (num_classes, prev)
+    keys["fc.bias"] = (num_classes,)
+    return keys
+
+
+def san_to_official(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """attnzoo SAN (timm layout) -> the official names. The official ``bn{i}`` closes stage i;
+    attnzoo opens stage i + 1 with it (``stages.{i+1}.downsample.norm``), the last one is
+    ``norm``."""
+    last = max(int(k.split(".")[1]) for k in state_dict if k.startswith("stages."))
+    out = {}
+    for k, v in state_dict.items():
+        parts = k.split(".")
+        if parts[0] == "stem":
+            name = {"conv": "conv_in", "norm": "bn_in"}[parts[1]] + "." + ".".join(parts[2:])
+        elif parts[0] == "norm":
+            name = f"bn{last}." + ".".join(parts[1:])
+        elif parts[0] == "head":
+            assert parts[1] == "fc", k
+            name = "fc." + ".".join(parts[2:])
+        elif parts[2] == "downsample":
+            i = int(parts[1])
+            if parts[3] == "conv":
+                name = f"conv{i}." + ".".join(parts[4:])
+            else:
+                name = f"bn{i - 1}." + ".".join(parts[4:])
+        else:
+            i, j, module = parts[1], parts[3], parts[4]
+            module = {"norm1": "bn1", "attn": "sam", "norm2": "bn2", "conv": "conv"}[module]
+            name = f"layer{i}.{j}.{module}." + ".".join(parts[5:])
+        out[name] = v
+    return out
+
+
+def san_training_checkpoint(state_dict: Dict[str, torch.Tensor]) -> dict:
+    """What the official tool/train.py saves: the DDP model's state dict in a wrapper."""
+    return {"epoch": 100, "state_dict": {"module." + k: v for k, v in state_dict.items()},
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.0, "momentum": 0.9}]},
+            "top1_val": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
 # QUEST-ViT (shared/specs/quest_vit.md): no QUEST checkpoints exist; the checkpoints it loads as
 # an initialisation are the standard ViT / DeiT / DeiT-3 releases. DeiT-3's own layout
 # (facebookresearch/deit models_v2.py, vit_models with Layer_scale_init_Block): LayerScale as

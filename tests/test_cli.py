@@ -63,7 +63,7 @@ def test_cli_bench_reports_every_backend(capsys):
                                               "[4/4] cuda"]
     assert "img/s" in rows[0] and "img/s" in rows[1]
     assert "[auto picked na2d: torch]" in rows[0]  # auto names the backend it chose per op
-    # NAT uses relative positional bias: NATTEN >= 0.20 and the unimplemented cuda backend
+    # NAT uses relative positional bias: NATTEN >= 0.20 and the cuda backend (on CPU tensors)
     # must say why they cannot run it rather than fall back.
     assert "unavailable" in rows[2] and "unavailable" in rows[3]
 
@@ -99,3 +99,37 @@ def test_cli_version(capsys):
         cli.main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"attnzoo {attnzoo.__version__}"
+
+
+def _write_script(tmp_path, body):
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    return str(script)
+
+
+def test_cli_timm_runner_registers_models_and_passes_arguments(tmp_path, capsys):
+    script = _write_script(tmp_path, (
+        "import sys, timm\n"
+        "if __name__ == '__main__':\n"
+        "    model = sys.argv[sys.argv.index('--model') + 1]\n"
+        "    print('argv', sys.argv[1:], 'is_model', timm.is_model(model))\n"
+        "    sys.exit(3 if '--fail' in sys.argv else 0)\n"))
+    assert cli.main(["timm", script, "--model", "nat_mini", "-b", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "argv ['--model', 'nat_mini', '-b', '2'] is_model True" in out
+    assert cli.main(["timm", script, "--model", "qna_vit_nope", "--fail"]) == 3
+
+
+def test_cli_timm_runner_uses_the_installed_timm(tmp_path, capsys):
+    # a timm clone puts its own timm/ next to its scripts: the runner must not import it
+    (tmp_path / "timm").mkdir()
+    (tmp_path / "timm" / "__init__.py").write_text("raise ImportError('the clone was imported')\n")
+    script = _write_script(tmp_path, "import timm\nprint('timm from', timm.__file__)\n")
+    assert cli.main(["timm", script]) == 0
+    assert str(tmp_path) not in capsys.readouterr().out
+
+
+def test_cli_timm_runner_exit_message(tmp_path, capsys):
+    script = _write_script(tmp_path, "raise SystemExit('bad dataset path')\n")
+    assert cli.main(["timm", script]) == 1
+    assert "bad dataset path" in capsys.readouterr().err

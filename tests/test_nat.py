@@ -260,25 +260,14 @@ def test_module_tree_follows_timm_layout():
     assert [f['module'] for f in model.feature_info] == [f'stages.{i}' for i in range(4)]
 
 
-@pytest.mark.parametrize('feature_cls', [None, 'getter', 'hook', 'fx'])
-def test_features_only_every_feature_cls(feature_cls, tmp_path):
-    """Every timm feature extractor returns the same NCHW taps: each stage's output."""
-    kwargs = {} if feature_cls is None else dict(feature_cls=feature_cls)
-    torch.manual_seed(0)
-    source = timm.create_model('dinat_mini').eval()
-    torch.save(source.state_dict(), tmp_path / 'weights.pth')
-    model = timm.create_model('dinat_mini', features_only=True, out_indices=(1, 3), pretrained=True,
-                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'weights.pth')),
-                              **kwargs).eval()
+def test_features_only_out_indices():
+    # every feature_cls returning the same stage outputs: tests/test_model_policy.py
+    model = timm.create_model('dinat_mini', features_only=True, out_indices=(1, 3)).eval()
     assert model.feature_info.channels() == [128, 512]
     assert model.feature_info.reduction() == [8, 32]
-    x = torch.randn(2, 3, 64, 96)
     with torch.no_grad():
-        outs = model(x)
-        expected = source.forward_intermediates(x, indices=(1, 3), intermediates_only=True)
+        outs = model(torch.randn(2, 3, 64, 96))
     assert [tuple(o.shape) for o in outs] == [(2, 128, 8, 12), (2, 512, 2, 3)]
-    for o, e in zip(outs, expected):
-        torch.testing.assert_close(o, e, rtol=0, atol=0)
     full = timm.create_model('nat_mini', features_only=True, device='meta')
     assert full.feature_info.channels() == [64, 128, 256, 512]
     assert full.feature_info.reduction() == [4, 8, 16, 32]

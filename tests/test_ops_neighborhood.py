@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import attnzoo
-from attnzoo import backends
+from attnzoo import backends, kernels
 from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import na1d, na2d
 from attnzoo.ops import neighborhood as nbh
@@ -400,15 +400,6 @@ def test_natten_rejects_non_power_of_two_head_dim_on_cpu(natten_fused):
         na2d(q, k, v, kernel_size=3, backend="natten")
 
 
-def test_cuda_backend_not_implemented_yet():
-    q, k, v = _f32()
-    with pytest.raises(BackendUnsupportedError, match="not implemented") as info:
-        na2d(q, k, v, kernel_size=3, backend="cuda")
-    assert "'torch'" in str(info.value) and "'auto'" in str(info.value)
-    with attnzoo.use_backend("cuda"), pytest.raises(BackendUnsupportedError):
-        na1d(q[:, 0], k[:, 0], v[:, 0], kernel_size=3)
-
-
 @pytest.fixture
 def natten_missing(monkeypatch):
     # A None entry in sys.modules makes `import natten` raise ImportError.
@@ -572,8 +563,10 @@ def test_get_backend_and_resolve_precedence(monkeypatch):
     assert backends.resolve("na2d", call) == "torch"
     attnzoo.set_backend(None)
     assert backends.get_backend() == "cuda"
-    with pytest.raises(BackendUnsupportedError, match="not implemented"):
-        backends.resolve("na2d", call)                        # env asks for cuda explicitly
+    # env asks for cuda explicitly; the reason is the device, or Triton where it is too old
+    with pytest.raises(BackendUnsupportedError, match=r"'cuda' cannot run na2d.*(CUDA tensors|"
+                                                      r"Triton \S+ is too old)"):
+        backends.resolve("na2d", call)
 
 
 def test_auto_on_cpu_picks_torch_even_with_natten():
@@ -584,11 +577,17 @@ def test_auto_on_cpu_picks_torch_even_with_natten():
         assert backends.resolve(f"na{call.ndim}d", call) == "torch"
 
 
-def test_auto_on_cuda_prefers_natten_without_rpb(natten_fused):
+def test_auto_on_cuda_order(natten_fused, monkeypatch):
     no_rpb = nbh.NACall(2, "cuda", torch.float16, 32, False, True)
     with_rpb = nbh.NACall(2, "cuda", torch.float16, 32, True, True)
-    assert backends.resolve("na2d", no_rpb) == "natten"   # 'cuda' slot is not implemented yet
+    if kernels.triton_missing() is None:   # our fused kernels first, with or without rpb
+        assert backends.resolve("na2d", no_rpb) == backends.resolve("na2d", with_rpb) == "cuda"
+    monkeypatch.setitem(sys.modules, "triton", None)
+    kernels.triton_missing.cache_clear()
+    backends._resolve.cache_clear()
+    assert backends.resolve("na2d", no_rpb) == "natten"   # without Triton
     assert backends.resolve("na2d", with_rpb) == "torch"
+    kernels.triton_missing.cache_clear()
 
 
 def test_invalid_names_fail_fast(monkeypatch):

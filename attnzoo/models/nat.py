@@ -53,7 +53,7 @@ from timm.models._manipulate import checkpoint_seq
 
 from ..layers import NeighborhoodAttention2d
 from ._helpers import build_model, check_image_input, check_state_dict, per_stage, unwrap_checkpoint
-from ._registry import register_model
+from ._registry import register_variants
 
 __all__ = ["NAT", "checkpoint_filter_fn"]
 
@@ -90,33 +90,27 @@ class Downsample(nn.Module):
 
 class NATBlock(nn.Module):
     """Pre-norm transformer block with neighborhood attention on NHWC maps; optional layer
-    scale."""
+    scale. ``attn_kwargs`` go to :class:`attnzoo.layers.NeighborhoodAttention2d`
+    (``kernel_size``, ``dilation``, ``qkv_bias``, ``rel_pos_bias``, ``attn_drop``, ``backend``,
+    ``attn_norm``)."""
 
     def __init__(
             self,
             dim: int,
             num_heads: int,
-            kernel_size: int = 7,
-            dilation: int = 1,
             mlp_ratio: float = 4.,
-            qkv_bias: bool = True,
-            rel_pos_bias: bool = True,
             proj_drop: float = 0.,
-            attn_drop: float = 0.,
             drop_path: float = 0.,
             layer_scale: Optional[float] = None,
-            backend: Optional[str] = None,
-            attn_norm: str = "none",
             device=None,
             dtype=None,
+            **attn_kwargs,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=_LN_EPS, **dd)
-        self.attn = NeighborhoodAttention2d(
-            dim, num_heads, kernel_size=kernel_size, dilation=dilation, qkv_bias=qkv_bias,
-            rel_pos_bias=rel_pos_bias, attn_drop=attn_drop, proj_drop=proj_drop, backend=backend,
-            attn_norm=attn_norm, **dd)
+        self.attn = NeighborhoodAttention2d(dim, num_heads, proj_drop=proj_drop, **attn_kwargs,
+                                            **dd)
         self.ls1 = LayerScale(dim, layer_scale, **dd) if layer_scale is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=_LN_EPS, **dd)
@@ -560,76 +554,26 @@ _LARGE = dict(depths=(3, 4, 18, 5), num_heads=(6, 12, 24, 48), embed_dim=192, ml
               drop_path_rate=0.35)
 
 
-@register_model
-def nat_mini(pretrained: bool = False, **kwargs) -> NAT:
-    """NAT-Mini (20.0M params, 2.7 GMACs @ 224)."""
-    return _create_nat('nat_mini', pretrained, _MINI, **kwargs)
-
-
-@register_model
-def nat_tiny(pretrained: bool = False, **kwargs) -> NAT:
-    """NAT-Tiny (27.9M params, 4.3 GMACs @ 224)."""
-    return _create_nat('nat_tiny', pretrained, _TINY, **kwargs)
-
-
-@register_model
-def nat_small(pretrained: bool = False, **kwargs) -> NAT:
-    """NAT-Small (50.7M params, 7.8 GMACs @ 224), layer scale 1e-5."""
-    return _create_nat('nat_small', pretrained,
-                       dict(_SMALL, layer_scale=1e-5), **kwargs)
-
-
-@register_model
-def nat_base(pretrained: bool = False, **kwargs) -> NAT:
-    """NAT-Base (89.8M params, 13.7 GMACs @ 224), layer scale 1e-5."""
-    return _create_nat('nat_base', pretrained, _BASE, **kwargs)
-
-
-@register_model
-def dinat_mini(pretrained: bool = False, **kwargs) -> NAT:
-    """DiNAT-Mini: NAT-Mini with dilated blocks."""
-    return _create_nat('dinat_mini', pretrained,
-                       dict(_MINI, dilations=_DINAT_MINI_DILATIONS), **kwargs)
-
-
-@register_model
-def dinat_tiny(pretrained: bool = False, **kwargs) -> NAT:
-    """DiNAT-Tiny: NAT-Tiny with dilated blocks."""
-    return _create_nat('dinat_tiny', pretrained,
-                       dict(_TINY, dilations=_DINAT_DILATIONS), **kwargs)
-
-
-@register_model
-def dinat_small(pretrained: bool = False, **kwargs) -> NAT:
-    """DiNAT-Small: NAT-Small with dilated blocks and, unlike NAT-Small, no layer scale."""
-    return _create_nat('dinat_small', pretrained,
-                       dict(_SMALL, dilations=_DINAT_DILATIONS), **kwargs)
-
-
-@register_model
-def dinat_base(pretrained: bool = False, **kwargs) -> NAT:
-    """DiNAT-Base: NAT-Base with dilated blocks (layer scale 1e-5)."""
-    return _create_nat('dinat_base', pretrained,
-                       dict(_BASE, dilations=_DINAT_DILATIONS), **kwargs)
-
-
-@register_model
-def dinat_large(pretrained: bool = False, **kwargs) -> NAT:
-    """DiNAT-Large (200.9M params, 30.5 GMACs @ 224), 224 dilation schedule."""
-    return _create_nat('dinat_large', pretrained,
-                       dict(_LARGE, dilations=_DINAT_DILATIONS), **kwargs)
-
-
-@register_model
-def dinat_large_384(pretrained: bool = False, **kwargs) -> NAT:
-    """DiNAT-Large with the 384 dilation schedule (13 / 6 / 3 / 1)."""
-    return _create_nat('dinat_large_384', pretrained,
-                       dict(_LARGE, dilations=_DINAT_384_DILATIONS), **kwargs)
-
-
-@register_model
-def dinat_large_11x11_384(pretrained: bool = False, **kwargs) -> NAT:
-    """DiNAT-Large with 11x11 neighborhoods at 384: dilations 8 / 4 / 2 / 1, the largest with
-    11 * d <= 96 / 48 / 24 / 12 (the same schedule as the 7x7 model at 224)."""
-    return _create_nat('dinat_large_11x11_384', pretrained,
-                       dict(_LARGE, kernel_size=11, dilations=_DINAT_DILATIONS), **kwargs)
+register_variants(globals(), _create_nat, {
+    'nat_mini': ("NAT-Mini (20.0M params, 2.7 GMACs @ 224).", _MINI),
+    'nat_tiny': ("NAT-Tiny (27.9M params, 4.3 GMACs @ 224).", _TINY),
+    'nat_small': ("NAT-Small (50.7M params, 7.8 GMACs @ 224), layer scale 1e-5.",
+                  dict(_SMALL, layer_scale=1e-5)),
+    'nat_base': ("NAT-Base (89.8M params, 13.7 GMACs @ 224), layer scale 1e-5.", _BASE),
+    'dinat_mini': ("DiNAT-Mini: NAT-Mini with dilated blocks.",
+                   dict(_MINI, dilations=_DINAT_MINI_DILATIONS)),
+    'dinat_tiny': ("DiNAT-Tiny: NAT-Tiny with dilated blocks.",
+                   dict(_TINY, dilations=_DINAT_DILATIONS)),
+    'dinat_small': ("DiNAT-Small: NAT-Small with dilated blocks and, unlike NAT-Small, no layer "
+                    "scale.", dict(_SMALL, dilations=_DINAT_DILATIONS)),
+    'dinat_base': ("DiNAT-Base: NAT-Base with dilated blocks (layer scale 1e-5).",
+                   dict(_BASE, dilations=_DINAT_DILATIONS)),
+    'dinat_large': ("DiNAT-Large (200.9M params, 30.5 GMACs @ 224), 224 dilation schedule.",
+                    dict(_LARGE, dilations=_DINAT_DILATIONS)),
+    'dinat_large_384': ("DiNAT-Large with the 384 dilation schedule (13 / 6 / 3 / 1).",
+                        dict(_LARGE, dilations=_DINAT_384_DILATIONS)),
+    'dinat_large_11x11_384': (
+        "DiNAT-Large with 11x11 neighborhoods at 384: dilations 8 / 4 / 2 / 1, the largest with "
+        "11 * d <= 96 / 48 / 24 / 12 (the same schedule as the 7x7 model at 224).",
+        dict(_LARGE, kernel_size=11, dilations=_DINAT_DILATIONS)),
+})

@@ -97,20 +97,21 @@ def _check_call(q, k, v, kernel_size, dilation, rpb, n: int):
 class _AxisPlan(NamedTuple):
     q_index: torch.Tensor    # [d, nT, T]     source position of each tiled query
     k_index: torch.Tensor    # [d, nT, R]     source position of each key in the tile's region
-    rel: torch.Tensor        # [d, nT, T, R]  rpb offset (0..2K-2) of a neighbour, -1 otherwise
+    onehot: torch.Tensor     # [2K-1, d, nT, T, R]  one-hot rpb offset of a neighbour (0 outside)
+    inside: torch.Tensor     # [d, nT, T, R]  key inside the query's window
     slot: torch.Tensor       # [3, L]         (g, tile, t) holding each position's output
 
 
 def _tile_sizes(spatial: Tuple[int, ...], dil: Tuple[int, ...]) -> Tuple[int, ...]:
-    """Queries per tile along each axis. A tile of T queries reads up to T + K - 1 keys per axis,
-    so small tiles waste least work, but each tile costs a fixed overhead. Measured on CPU (fp32,
-    2 threads, K=7): 56x56 takes 1.8 ms at T=4, 2.3 ms at T=8, 3.5 ms dense; at 200x200 T=4's
-    2500 tiles cost more than they save (127 ms vs 49 ms at T=8). So: the smallest T of 4, 8, 16
-    that keeps at most ~1024 tiles per image; groups of <= 16 (NAT's 14x14 level) run as one dense
-    tile, where one SDPA call on 196 tokens beats 16 tiny ones."""
+    """Queries per tile along each axis. A tile of T queries reads T + K - 1 keys per axis: small
+    tiles waste least attention work ((T + K - 1)^2 keys per query against K^2) but duplicate
+    keys most ((T + K - 1)^2 / T^2 copies) and make many tiny attention problems. Measured on
+    CPU (fp32, K=7, NAT-tiny's and DiNAT's stages at batch 8, process time of one thread):
+    balanced tiles of at most 8 are fastest at every stage (56x56: T=8 49 ms, T=4 93 ms, dense
+    one tile per group wins below 8). Huge maps grow T to keep at most ~1024 tiles."""
     groups = [math.ceil(L / d) for L, d in zip(spatial, dil)]
-    for T in (4, 8, 16):
-        sizes = tuple(g if g <= 16 else math.ceil(g / math.ceil(g / T)) for g in groups)
+    for T in (8, 16, 32, 64):
+        sizes = tuple(math.ceil(g / math.ceil(g / T)) for g in groups)
         if math.prod(d * math.ceil(g / t) for d, g, t in zip(dil, groups, sizes)) <= 1024:
             break
     return sizes
@@ -134,20 +135,21 @@ def _axis_plan(L: int, K: int, d: int, T: int) -> _AxisPlan:
     region = torch.clamp(start[:, :, :1], max=lg_max - R)               # [d, nT, 1]
     key_ip = region + torch.arange(R).view(1, 1, R)                      # [d, nT, R]
     off = key_ip.unsqueeze(2) - start.unsqueeze(3)                       # [d, nT, T, R]
-    rel = torch.where((off >= 0) & (off < K), key_ip.unsqueeze(2) - ip.unsqueeze(3) + K - 1, -1)
+    inside = (off >= 0) & (off < K)
+    rel = key_ip.unsqueeze(2) - ip.unsqueeze(3) + K - 1                  # rpb offset, 0..2K-2
+    onehot = (rel == torch.arange(2 * K - 1).view(-1, 1, 1, 1, 1)) & inside
     # Keys past a short group's end are never neighbours; clamp only to keep the gather in range.
     k_index = (key_ip * d + g).clamp(max=L - 1)
     pos = torch.arange(L)
     slot = torch.stack([pos % d, pos // d // T, pos // d % T])
-    return _AxisPlan(ip * d + g, k_index, rel, slot)
+    return _AxisPlan(ip * d + g, k_index, onehot, inside, slot)
 
 
 class _Plan(NamedTuple):
     q_index: Optional[torch.Tensor]    # [tiles * Tq] flat spatial index of each tiled query
     k_index: Optional[torch.Tensor]    # [tiles * Rk] flat spatial index of each region key
-    rel: torch.Tensor                  # [tiles, Tq, Rk] flat rpb index; the last (-inf) slot
-    #                                    outside the neighbourhood
-    mask: torch.Tensor                 # [tiles, 1, Tq, Rk] additive 0 / -inf mask
+    onehot: Tuple[torch.Tensor, ...]   # per axis [2K-1, d, nT, T, R] (see _AxisPlan)
+    mask: torch.Tensor                 # [tiles, Tq, Rk] additive 0 / -inf mask
     out_index: Optional[torch.Tensor]  # [N] slot of each position in the [tiles * Tq] output
     tiles: int
     tq: int
@@ -173,23 +175,24 @@ def _unless_identity(index: torch.Tensor, size: int) -> Optional[torch.Tensor]:
 @functools.lru_cache(maxsize=128)
 def _plan(spatial: Tuple[int, ...], ks: Tuple[int, ...], dil: Tuple[int, ...],
           device: torch.device, dtype: torch.dtype) -> _Plan:
+    # Cached plans outlive the call: never make them inference tensors, which autograd refuses
+    # to save when the same shape is trained after an inference_mode() forward.
+    with torch.inference_mode(False):
+        return _build_plan(spatial, ks, dil, device, dtype)
+
+
+def _build_plan(spatial, ks, dil, device, dtype) -> _Plan:
     n = len(spatial)
     axes = [_axis_plan(L, K, d, T)
             for L, K, d, T in zip(spatial, ks, dil, _tile_sizes(spatial, dil))]
     strides = [math.prod(spatial[a + 1:]) for a in range(n)]
-    rel_strides = [math.prod(2 * K - 1 for K in ks[a + 1:]) for a in range(n)]
     # Dims are ordered (g_0.., j_0..) = the tile, then in-tile (t_0..) or region (r_0..) dims.
     q_index = sum(_place(ax.q_index * s, (a, n + a, 2 * n + a), 3 * n)
                   for a, (ax, s) in enumerate(zip(axes, strides)))
     k_index = sum(_place(ax.k_index * s, (a, n + a, 2 * n + a), 3 * n)
                   for a, (ax, s) in enumerate(zip(axes, strides)))
-    rel_dims = lambda a: (a, n + a, 2 * n + a, 3 * n + a)  # noqa: E731
     inside = functools.reduce(torch.logical_and, [
-        _place(ax.rel >= 0, rel_dims(a), 4 * n) for a, ax in enumerate(axes)])
-    rel = sum(_place(ax.rel.clamp(min=0) * s, rel_dims(a), 4 * n)
-              for a, (ax, s) in enumerate(zip(axes, rel_strides)))
-    n_rel = math.prod(2 * K - 1 for K in ks)
-    rel = torch.where(inside, rel, n_rel)
+        _place(ax.inside, (a, n + a, 2 * n + a, 3 * n + a), 4 * n) for a, ax in enumerate(axes)])
     tiles = math.prod(q_index.shape[:2 * n])
     tq = math.prod(q_index.shape[2 * n:])
     rk = math.prod(k_index.shape[2 * n:])
@@ -201,8 +204,8 @@ def _plan(spatial: Tuple[int, ...], ks: Tuple[int, ...], dil: Tuple[int, ...],
     size = math.prod(spatial)
     opt = lambda t: None if t is None else t.to(device)  # noqa: E731
     return _Plan(opt(_unless_identity(q_index, size)), opt(_unless_identity(k_index, size)),
-                 rel.reshape(tiles, tq, rk).to(device),
-                 mask.reshape(tiles, 1, tq, rk).to(device),
+                 tuple(ax.onehot.to(device=device, dtype=dtype) for ax in axes),
+                 mask.reshape(tiles, tq, rk).to(device),
                  opt(_unless_identity(out_index, tiles * tq)), tiles, tq, rk)
 
 
@@ -213,39 +216,58 @@ def _plan_constant(*args) -> _Plan:
     return _plan(*args)
 
 
+# torch 2.4-2.5's Dynamo stores an assume_constant_result value in the compiled frame's globals
+# under the function's __name__: a name no module uses keeps it from shadowing anything.
+_plan_constant.__name__ = "_attnzoo_na_plan"
+
+
+def _bias(plan: _Plan, rpb: Optional[torch.Tensor], heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention bias ``[1, heads * tiles, Tq, Rk]``: the window mask, plus the
+    relative positional bias. The bias is a contraction of ``rpb`` with per-axis one-hot
+    offsets: its gradient is a matmul, not an indexing backward (which is deterministic, hence
+    serialised, on CUDA and dominated NAT's training step there)."""
+    if rpb is None:
+        bias = plan.mask.expand(heads, -1, -1, -1)
+    else:
+        table = rpb.to(dtype)
+        if len(plan.onehot) == 1:
+            rel = torch.einsum("ha,agjtr->hgjtr", table, plan.onehot[0])
+        else:
+            rel = torch.einsum("hab,agjtr,bGJTR->hgGjJtTrR", table, *plan.onehot)
+        bias = rel.reshape(heads, plan.tiles, plan.tq, plan.rk) + plan.mask
+    return bias.reshape(1, heads * plan.tiles, plan.tq, plan.rk)
+
+
 def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
                  dilation: Tuple[int, ...], rpb: Optional[torch.Tensor],
                  scale: float) -> torch.Tensor:
     """Pure-PyTorch NA on ``[B, *spatial, heads, d]`` (already validated); differentiable in q,
-    k, v and rpb, any device and float dtype."""
+    k, v and rpb, any device and float dtype.
+
+    One SDPA call over all tiles: its batch is B and its "heads" are (head, tile) pairs, so the
+    bias (shared by the batch) broadcasts instead of being repeated B times."""
     n = len(kernel_size)
     # int(): under dynamic shapes, specialize on the map size so the plan stays a constant.
     B, spatial, heads = q.shape[0], tuple(int(s) for s in q.shape[1:1 + n]), q.shape[-2]
     plan = _plan_constant(spatial, tuple(kernel_size), tuple(dilation), q.device, q.dtype)
 
-    # SDPA is fastest on 4-D [batch, heads, rows, c]: the batch dim is (B, tile).
-    def tiled(x, index, rows):
-        x = x.reshape(B, -1, heads, x.shape[-1])
-        if index is not None:
-            x = x.index_select(1, index)
-        return x.view(B * plan.tiles, rows, heads, x.shape[-1]).transpose(1, 2)
+    def tiled(x, index):  # [B, *spatial, heads, c] -> [B, heads * tiles, rows, c]
+        c = x.shape[-1]
+        if index is None:  # tiles in natural order (a view when there is one tile)
+            return x.reshape(B, -1, heads, c).transpose(1, 2).reshape(B, heads * plan.tiles, -1, c)
+        # Gather whole token rows (heads * c contiguous values: 3-4x faster on CPU than
+        # gathering per head), then one copy into the head-major layout.
+        x = x.reshape(B, -1, heads * c).index_select(1, index)
+        return x.view(B, plan.tiles, -1, heads, c).permute(0, 3, 1, 2, 4).reshape(
+            B, heads * plan.tiles, -1, c)
 
-    qt = tiled(q, plan.q_index, plan.tq)
-    kt, vt = tiled(k, plan.k_index, plan.rk), tiled(v, plan.k_index, plan.rk)
-    if rpb is None:
-        bias = plan.mask  # [tiles, 1, Tq, Rk]
-    else:
-        # One extra -inf slot takes every pair outside the neighbourhood.
-        table = rpb.reshape(heads, -1).to(q.dtype)
-        table = torch.cat([table, table.new_full((heads, 1), float("-inf"))], 1)
-        bias = table[:, plan.rel].transpose(0, 1)  # [tiles, heads, Tq, Rk]
-    if B > 1 and plan.tiles > 1:
-        bias = bias.repeat(B, 1, 1, 1)
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale)
-    out = out.transpose(1, 2).reshape(B, plan.tiles * plan.tq, heads, v.shape[-1])
+    out = F.scaled_dot_product_attention(
+        tiled(q, plan.q_index), tiled(k, plan.k_index), tiled(v, plan.k_index),
+        attn_mask=_bias(plan, rpb, heads, q.dtype), scale=scale)
+    out = out.reshape(B, heads, plan.tiles * plan.tq, v.shape[-1])  # contiguous: fast gather
     if plan.out_index is not None:
-        out = out.index_select(1, plan.out_index)
-    return out.reshape(B, *spatial, heads, v.shape[-1])
+        out = out.index_select(2, plan.out_index)
+    return out.transpose(1, 2).reshape(B, *spatial, heads, v.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,6 +299,8 @@ class NACall(NamedTuple):
     head_dim: int
     rpb: bool
     grad: bool
+    kernel_size: Tuple[int, ...] = ()  # () where unknown: no kernel-size limit is checked
+    v_dim: int = 0                     # 0: same as head_dim
 
 
 _NATTEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -331,16 +355,24 @@ def _na_natten(q, k, v, kernel_size, dilation, rpb, scale):
 # --------------------------------------------------------------------------------------------
 
 def _cuda_support(call: NACall) -> Optional[str]:
-    # A named slot: the fused Triton kernels land in a later release.
-    return f"attnzoo's Triton kernels for na{call.ndim}d are not implemented yet"
+    from .. import kernels
+    reason = kernels.triton_missing()
+    if reason is not None:
+        return reason
+    from ..kernels import neighborhood as kernel
+    return kernel.support(call.device, call.dtype, call.head_dim, call.v_dim or call.head_dim,
+                          call.kernel_size)
 
 
-def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):  # pragma: no cover - unreachable
-    raise backends.BackendUnsupportedError("attnzoo's Triton NA kernels are not implemented yet")
+def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):
+    from ..kernels.neighborhood import na_fused
+    return na_fused(q, k, v, kernel_size, dilation, rpb, scale)
 
 
 def _auto_order(call: NACall) -> Tuple[str, ...]:
-    # On CPU the tiled torch reference is 10-40x faster than NATTEN's unfused Flex path.
+    # On CPU the tiled torch reference is 10-40x faster than NATTEN's unfused Flex path (and
+    # the Triton interpreter is for tests only). On CUDA our fused kernels come first: they
+    # also take the rpb, which NATTEN >= 0.20 does not.
     return ("cuda", "natten", "torch") if call.device == "cuda" else ("torch",)
 
 
@@ -394,7 +426,7 @@ def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, rpb))
-    call = NACall(n, q.device.type, q.dtype, q.shape[-1], rpb is not None, grad)
+    call = NACall(n, q.device.type, q.dtype, q.shape[-1], rpb is not None, grad, ks, v.shape[-1])
     return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale)
 
 

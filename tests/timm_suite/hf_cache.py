@@ -124,18 +124,29 @@ def _generate(model, model_name: str, layout_fn, path: Path) -> Path:
 
 
 def ensure_pretrained(model_name: str, hub: Path) -> Path | None:
-    """Make ``create_model(model_name, pretrained=True)`` load from ``hub``. Returns the cached file."""
+    """Make ``create_model(model_name, pretrained=True)`` load offline: an ``hf_hub_id`` from
+    ``hub``, a ``url`` from torch.hub's checkpoint cache (``torch.hub.get_dir()``, pointed at the
+    run's folder by the plugin). Returns the file it will load."""
     import timm.models
 
     cfg = timm.models.get_pretrained_cfg(model_name)
-    if cfg is None or not cfg.hf_hub_id:
-        return None  # weights from a URL / file: not ours to fake (no attnzoo model uses that)
-    repo_id, _, revision = cfg.hf_hub_id.partition("@")
-    filename = cfg.hf_hub_filename or DEFAULT_FILENAME
-    layout_name, layout = _layout_for(repo_id)
-    layout_fn = lambda sd, model: layout(sd, model, repo_id)  # noqa: E731
+    if cfg is None or not (cfg.hf_hub_id or cfg.url or cfg.file):
+        return None  # no weights: timm's suite does not list the tag as pretrained
+    if cfg.file:
+        if not Path(cfg.file).is_file():
+            raise RuntimeError(f"{model_name}: pretrained_cfg file {cfg.file!r} does not exist; a "
+                               "cfg shipped with a local file path cannot be tested offline")
+        return Path(cfg.file)
     # Build on the meta device: only names, shapes and dtypes are needed (fast for 200M params).
     model = timm.create_model(model_name, pretrained=False, device="meta")
+    if cfg.hf_hub_id:
+        repo_id, _, revision = cfg.hf_hub_id.partition("@")
+        filename = cfg.hf_hub_filename or DEFAULT_FILENAME
+        layout_name, layout = _layout_for(repo_id)
+    else:
+        repo_id, revision, filename = "", "", os.path.basename(cfg.url)
+        layout_name, layout = _layout_for(cfg.url)
+    layout_fn = lambda sd, model: layout(sd, model, repo_id or cfg.url)  # noqa: E731
     # Identical converted key/shape/dtype lists -> one shared file (e.g. dinat_large and
     # dinat_large_384 differ only in dilations; tags of one architecture share weights).
     signature = sorted((k, tuple(v.shape), str(v.dtype)) for k, v in layout_fn(model.state_dict(), model).items())
@@ -144,6 +155,12 @@ def ensure_pretrained(model_name: str, hub: Path) -> Path | None:
     store = hub.parent / "weights-store"
     store.mkdir(parents=True, exist_ok=True)
     src = _generate(model, model_name, layout_fn, store / f"{digest}{suffix}")
+    if not cfg.hf_hub_id:
+        target = Path(torch.hub.get_dir()) / "checkpoints" / filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            target.symlink_to(src)
+        return target
     # tests/hub_cache.py lays out refs/<revision> + snapshots/<commit>/<filename> (a symlink to
     # the shared file) and records model.safetensors as absent, as the real repos have it.
     with file_lock(hub / f".{repo_id.replace('/', '--')}.lock"):

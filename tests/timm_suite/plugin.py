@@ -16,13 +16,18 @@ What it does, and why:
    our modules (``attnzoo.models.nat`` -> module key ``nat``) are not in timm's list. The patch is
    limited to the import of the suite (``timm.list_models`` is restored right after) and is
    checked: if the suite stops selecting our models for those tests, loading fails loudly.
+2b. Also while it is imported, timm's non-spatial filter list (``NON_STD_FILTERS``: ``vit_*``,
+   ``deit*``, ...) matches our token-output models (``families.FAMILIES``), so the suite checks
+   them as the ViTs they are, wherever it includes or excludes by that list.
 3. ``GITHUB_ACTIONS`` is hidden from the suite (at import and while its tests run): with it set the
    suite drops its pretrained-loading and fx+torchscript tests and skips big models; we want every
    test on every model wherever CI runs.
 4. ``pytest_collection_modifyitems`` deselects every suite case whose
    ``callspec.params["model_name"]`` is not one of ours (``model_entrypoint(arch).__module__``
    starts with ``attnzoo.``), and every suite test that has no ``model_name`` (those test timm's
-   own models). Tests of our own unit-test modules are never touched.
+   own models). Tests of our own unit-test modules are never touched. It then applies the tiers
+   of ``families.py``: the core contract on every model, the heavy cases on the smallest model of
+   each family, timm's own size exclusions; ``ATTNZOO_TIMM_SUITE=full`` runs everything.
 5. Every suite test runs with ``HF_HUB_OFFLINE=1`` and ``HF_HUB_CACHE`` pointing at a per-run
    offline Hugging Face cache; for the two pretrained-loading tests the cache entry of the
    model's ``hf_hub_id`` is generated on demand (``hf_cache.py``: random weights of the right
@@ -42,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from . import fetch
+from . import families, fetch
 
 SKIP_ENV = "ATTNZOO_SKIP_TIMM_SUITE"
 RUN_DIR_ENV = "ATTNZOO_TIMM_SUITE_RUN_DIR"  # per-run scratch dir (offline HF cache), shared with xdist workers
@@ -83,21 +88,20 @@ def skip_requested() -> bool:
 # which models are ours
 
 def is_ours(model_name: str) -> bool:
-    """True for ``arch`` or ``arch.tag`` registered by a module of the attnzoo package."""
-    import timm.models
+    """True for ``arch`` or ``arch.tag`` of an attnzoo model (``attnzoo.list_models``)."""
+    import attnzoo
 
-    arch = model_name.split(".", 1)[0]
-    if not timm.models.is_model(arch):
-        return False
-    module = timm.models.model_entrypoint(arch).__module__
-    return module == OUR_PACKAGE or module.startswith(OUR_PACKAGE + ".")
+    return model_name.split(".", 1)[0] in _our_names(attnzoo)
 
 
-def our_models(include_tags: bool = False) -> list[str]:
-    import attnzoo  # noqa: F401  (registers the models)
-    import timm
+def _our_names(attnzoo) -> frozenset:
+    return frozenset(attnzoo.list_models())
 
-    return [m for m in timm.list_models(include_tags=include_tags) if is_ours(m)]
+
+def our_models() -> list[str]:
+    import attnzoo
+
+    return attnzoo.list_models()
 
 
 def our_modules() -> list[str]:
@@ -116,13 +120,22 @@ def _suite_import_patches():
 
     orig_list_models = timm.list_models
     ours = our_modules()
+    tokens = [f"{m}*" for m in families.token_models()]  # the tags too
 
-    def list_models(filter="", module="", *args, **kwargs):
+    def with_tokens(filters):
+        # See 2b. in the module docstring: timm's non-spatial filter list (it holds 'vit_*' and
+        # 'deit*') also matches our token-output models.
+        if isinstance(filters, (list, tuple)) and "vit_*" in filters and "deit*" in filters:
+            return list(filters) + tokens
+        return filters
+
+    def list_models(filter="", module="", pretrained=False, exclude_filters="", *args, **kwargs):
         # See 2. in the module docstring: a selection by timm module name also takes our modules.
         if module:
             mods = [module] if isinstance(module, str) else list(module)
             module = mods + [m for m in ours if m not in mods]
-        return orig_list_models(filter, module, *args, **kwargs)
+        return orig_list_models(with_tokens(filter), module, pretrained,
+                                with_tokens(exclude_filters), *args, **kwargs)
 
     gha = os.environ.pop("GITHUB_ACTIONS", None)  # see 3. in the module docstring
     timm.list_models = list_models  # the suite does `from timm import list_models` at import
@@ -216,7 +229,7 @@ def _deselect_reason(item, model_name: str) -> str | None:
 
 @pytest.hookimpl(trylast=True)  # after -k / -m, so the counts below are what runs
 def pytest_collection_modifyitems(session, config, items):
-    keep, drop, documented = [], [], {}
+    keep, drop, documented, tiered = [], [], {}, {}
     for item in items:
         if not is_suite_item(item):
             keep.append(item)
@@ -231,13 +244,20 @@ def pytest_collection_modifyitems(session, config, items):
             drop.append(item)
             documented.setdefault(reason, []).append(item.name)
             continue
+        reason = families.tier_reason(getattr(item, "originalname", item.name), model_name)
+        if reason:
+            drop.append(item)
+            tiered.setdefault(reason, []).append(item.name)
+            continue
         keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
     config._attnzoo_timm_suite_documented = documented
+    config._attnzoo_timm_suite_tiered = tiered
     n_suite = sum(1 for it in keep if is_suite_item(it))
-    config._attnzoo_timm_suite_summary = (n_suite, len(drop) - sum(map(len, documented.values())))
+    n_other = len(drop) - sum(map(len, documented.values())) - sum(map(len, tiered.values()))
+    config._attnzoo_timm_suite_summary = (n_suite, n_other)
 
 
 def pytest_report_collectionfinish(config, start_path, items):
@@ -248,6 +268,9 @@ def pytest_report_collectionfinish(config, start_path, items):
              f"{summary[1]} cases on other models deselected"]
     for reason, names in getattr(config, "_attnzoo_timm_suite_documented", {}).items():
         lines.append(f"timm suite: deselected {len(names)} (does not apply: {reason}): {', '.join(names)}")
+    for reason, names in getattr(config, "_attnzoo_timm_suite_tiered", {}).items():
+        lines.append(f"timm suite: default tier leaves out {len(names)} ({reason}; "
+                     f"{families.TIER_ENV}=full runs them)")
     return lines
 
 
@@ -259,8 +282,15 @@ def _attnzoo_timm_suite_env(request, monkeypatch):
         return
     from . import hf_cache
 
+    import torch
+
     monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
-    with hf_cache.offline_hf_cache(hf_cache.hub_dir(Path(os.environ[RUN_DIR_ENV]))) as hub_dir:
+    run_dir = Path(os.environ[RUN_DIR_ENV])
+    # weights given by url are read from torch.hub's checkpoint cache, here the run's own
+    previous_hub_dir = torch.hub.get_dir()
+    torch.hub.set_dir(str(run_dir / "torch-hub"))
+    request.addfinalizer(lambda: torch.hub.set_dir(previous_hub_dir))
+    with hf_cache.offline_hf_cache(hf_cache.hub_dir(run_dir)) as hub_dir:
         if request.node.originalname in PRETRAINED_TESTS:
             hf_cache.ensure_pretrained(request.node.callspec.params["model_name"], hub_dir)
         yield

@@ -1,0 +1,391 @@
+"""QnA-ViT's token mixers as ``nn.Module`` s on NHWC feature maps ``[B, H, W, C]``.
+
+* :class:`QnA` - Query and Attend (Arar et al., CVPR 2022): ``L`` learned queries, shared by
+  every overlapping ``k x k`` window, attend to the window's keys; stride 2 downsamples.
+* :class:`QnAUpsample` - QnA as an upsampling layer (the paper's Section 3.3.3 / Appendix F):
+  ``s*s`` learned queries, each query's result one sub-pixel of the ``s x`` upsampled map.
+* :class:`LocalSelfAttention` - QnA-ViT's "LSA" blocks' mixer: multi-head self-attention inside
+  non-overlapping windows, with a Swin-style relative position bias table.
+
+Backend dispatch happens in plain module-level functions (:func:`qna2d_dispatch` is
+``@torch.jit.ignore``, so scripted models call it as Python and the backend switch keeps
+working) registered with timm as FX leaves, as are the shape-dependent window helpers. Their
+names must not start with ``_`` (torch.fx's autowrap skips private globals).
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import lecun_normal_, trunc_normal_
+from timm.models import register_notrace_function
+
+from .. import backends
+from ..ops import qna2d
+from .quest import check_attn_norm, l2_normalize
+
+__all__ = ["QnA", "QnAUpsample", "LocalSelfAttention"]
+
+
+@register_notrace_function
+@torch.jit.ignore
+def qna2d_dispatch(
+        logits: torch.Tensor,
+        v: torch.Tensor,
+        kernel_size: int,
+        stride: int,
+        rpb: Optional[torch.Tensor],
+        window_weights: Optional[torch.Tensor],
+        sum_queries: bool,
+        backend: Optional[str],
+) -> torch.Tensor:
+    # Kept out of TorchScript: backend resolution reads thread-local state, env vars and caches.
+    return qna2d(logits, v, kernel_size=kernel_size, stride=stride, rpb=rpb,
+                 window_weights=window_weights, sum_queries=sum_queries, backend=backend)
+
+
+def qna_logits(x: torch.Tensor, queries: torch.Tensor, key_weight: torch.Tensor,
+               num_heads: int) -> torch.Tensor:
+    """Every learned query's score against the key at every position, ``[B, H, W, L, heads]``,
+    computed fused as ``x @ (W_k q_hat)``: the ``[B, H, W, dim]`` keys are never built.
+
+    Each head's query is L2-normalised (``q / (|q| + 1e-6)``, the official form) and divided by
+    ``sqrt(head_dim)``. ``queries [L, F]``, ``key_weight [F, C]`` (an ``nn.Linear`` weight)."""
+    L, dim = queries.shape
+    head_dim = dim // num_heads
+    q = queries.reshape(L, num_heads, head_dim)
+    q = q / (torch.linalg.vector_norm(q, dim=-1, keepdim=True) + 1e-6) / math.sqrt(head_dim)
+    fused = torch.einsum('lhd,hdc->clh', q, key_weight.reshape(num_heads, head_dim, -1))
+    logits = torch.matmul(x, fused.reshape(fused.shape[0], L * num_heads))
+    return logits.unflatten(-1, (L, num_heads))
+
+
+class _QueriesAndAttend(nn.Module):
+    """What :class:`QnA` and :class:`QnAUpsample` share: learned queries, the key and value
+    projections, the output projection and the relative bias per window offset."""
+
+    def __init__(self, dim: int, out_dim: int, num_heads: int, num_queries: int,
+                 kernel_size: int, rel_pos_bias: bool, bias: bool, proj_drop: float,
+                 backend: Optional[str], device, dtype):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        if out_dim % num_heads:
+            raise ValueError(f"out_dim ({out_dim}) must be divisible by num_heads ({num_heads})")
+        if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size!r}")
+        if backend is not None:
+            backends.get_backend(backend)  # unknown names raise ValueError now, not at forward
+        self.dim = dim
+        self.out_dim = out_dim
+        self.num_heads = num_heads
+        self.head_dim = out_dim // num_heads
+        self.num_queries = num_queries
+        self.kernel_size = kernel_size
+        self.backend = backend
+        self.queries = nn.Parameter(torch.empty(num_queries, out_dim, **dd))
+        # Keys: only the weight is used (fused into the queries); a key bias would add one
+        # constant per query and head to the logits, which the softmax cancels.
+        self.k = nn.Linear(dim, out_dim, bias=False, **dd)
+        self.v = nn.Linear(dim, out_dim, bias=bias, **dd)
+        self.proj = nn.Linear(out_dim, out_dim, bias=bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+        shape = (num_queries, num_heads, kernel_size, kernel_size)
+        if rel_pos_bias:
+            self.rpb = nn.Parameter(torch.empty(shape, **dd))
+        else:
+            self.register_parameter("rpb", None)
+
+    def reset_parameters(self) -> None:
+        # Official init: queries trunc_normal(+-2 sigma) * sqrt(1 / head_dim), projections
+        # lecun_normal, zero biases, zero relative bias.
+        trunc_normal_(self.queries, std=1., a=-2., b=2.)
+        with torch.no_grad():
+            self.queries.mul_(self.head_dim ** -0.5)
+        for linear in (self.k, self.v, self.proj):
+            lecun_normal_(linear.weight)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        if self.rpb is not None:
+            nn.init.zeros_(self.rpb)
+
+    def logits_and_values(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        logits = qna_logits(x, self.queries, self.k.weight, self.num_heads)
+        v = self.v(x).unflatten(-1, (self.num_heads, self.head_dim))
+        return logits, v
+
+
+class QnA(_QueriesAndAttend):
+    """Query and Attend on ``[B, H, W, dim]`` -> ``[B, ceil(H/stride), ceil(W/stride), out_dim]``.
+
+    ``num_queries`` learned queries (per head, L2-normalised, scaled by ``head_dim ** -0.5``)
+    attend to the keys of the ``k x k`` window centred at each output position (stride
+    ``stride``); out-of-bounds keys are excluded. Each query's softmax weights get a relative
+    bias ``rpb [L, heads, k, k]`` per window offset, are scaled by ``window_weights`` (same
+    shape, numerator only) and the queries' results are summed, then projected (``proj``). See
+    :func:`attnzoo.ops.qna2d`.
+
+    Args:
+        dim: input channels.
+        out_dim: output channels F (default ``dim``; QnA-ViT's downsampling layers double it).
+        num_heads: heads (QnA-ViT: head_dim 8).
+        kernel_size: odd window size k.
+        stride: window stride (2 downsamples).
+        num_queries: learned queries L.
+        rel_pos_bias: learn ``rpb`` (zero init).
+        window_weights: learn ``window_weights`` (init N(0, 0.02^2)); without them each query's
+            result is a plain softmax average.
+        bias: biases on the value and output projections (QnA-ViT: none).
+        proj_drop: dropout after ``proj``.
+        backend: ``qna2d`` backend (``None``: follow :mod:`attnzoo.backends`).
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            out_dim: Optional[int] = None,
+            num_heads: int = 8,
+            kernel_size: int = 3,
+            stride: int = 1,
+            num_queries: int = 2,
+            rel_pos_bias: bool = True,
+            window_weights: bool = True,
+            bias: bool = False,
+            proj_drop: float = 0.,
+            backend: Optional[str] = None,
+            device=None,
+            dtype=None,
+    ):
+        super().__init__(dim, out_dim or dim, num_heads, num_queries, kernel_size, rel_pos_bias,
+                         bias, proj_drop, backend, device, dtype)
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be an int >= 1, got {stride!r}")
+        self.stride = stride
+        if window_weights:
+            self.window_weights = nn.Parameter(torch.empty(
+                num_queries, num_heads, kernel_size, kernel_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("window_weights", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.window_weights is not None:
+            nn.init.normal_(self.window_weights, std=.02)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, out_dim={self.out_dim}, num_heads={self.num_heads}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"num_queries={self.num_queries}, backend={self.backend!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, v = self.logits_and_values(x)
+        x = qna2d_dispatch(logits, v, self.kernel_size, self.stride, self.rpb,
+                           self.window_weights, True, self.backend)
+        x = self.proj(x.flatten(-2))
+        x = self.proj_drop(x)
+        return x
+
+
+class QnAUpsample(_QueriesAndAttend):
+    """QnA as an upsampling layer: ``[B, H, W, dim]`` -> ``[B, scale*H, scale*W, out_dim]``.
+
+    ``scale ** 2`` learned queries attend to every ``k x k`` window (stride 1); query
+    ``l = i * scale + j``'s result (softmax average of the values, with its own relative bias
+    per window offset, then ``proj``) becomes sub-pixel ``(i, j)`` of the window's
+    ``scale x scale`` output block: a content-adaptive ``scale x scale`` upsampling kernel
+    (the paper's Eq. 10-11).
+
+    Example, a decoder stage on NCHW maps (channels last inside, as every QnA layer)::
+
+        >>> import torch
+        >>> from attnzoo.layers import QnAUpsample
+        >>> up = QnAUpsample(64, 32, num_heads=4, scale=2)
+        >>> norm = torch.nn.LayerNorm(64)
+        >>> x = torch.randn(2, 64, 16, 24)                     # [B, C, H, W]
+        >>> y = up(norm(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+        >>> y.shape
+        torch.Size([2, 32, 32, 48])
+
+    Args:
+        dim: input channels.
+        out_dim: output channels (default ``dim``).
+        num_heads: heads.
+        scale: upsampling factor s (``s*s`` learned queries).
+        kernel_size: odd window size k (the paper's autoencoder: 3).
+        rel_pos_bias: learn a relative bias per query, head and window offset.
+        bias: biases on the value and output projections.
+        proj_drop: dropout after ``proj``.
+        backend: ``qna2d`` backend (``None``: follow :mod:`attnzoo.backends`).
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            out_dim: Optional[int] = None,
+            num_heads: int = 8,
+            scale: int = 2,
+            kernel_size: int = 3,
+            rel_pos_bias: bool = True,
+            bias: bool = False,
+            proj_drop: float = 0.,
+            backend: Optional[str] = None,
+            device=None,
+            dtype=None,
+    ):
+        if not isinstance(scale, int) or scale < 1:
+            raise ValueError(f"scale must be an int >= 1, got {scale!r}")
+        super().__init__(dim, out_dim or dim, num_heads, scale * scale, kernel_size,
+                         rel_pos_bias, bias, proj_drop, backend, device, dtype)
+        self.scale = scale
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, out_dim={self.out_dim}, num_heads={self.num_heads}, "
+                f"scale={self.scale}, kernel_size={self.kernel_size}, backend={self.backend!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W = x.shape[0], x.shape[1], x.shape[2]
+        logits, v = self.logits_and_values(x)
+        x = qna2d_dispatch(logits, v, self.kernel_size, 1, self.rpb, None, False, self.backend)
+        x = self.proj(x.flatten(-2))                        # [B, H, W, s*s, out_dim]
+        x = self.proj_drop(x)
+        s = self.scale
+        x = x.reshape(B, H, W, s, s, self.out_dim).permute(0, 1, 3, 2, 4, 5)
+        return x.reshape(B, H * s, W * s, self.out_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# LSA: window self-attention
+# --------------------------------------------------------------------------------------------
+
+def window_layout(size: int, window_size: int) -> Tuple[int, int]:
+    """``(window, count)`` along one axis: the fewest windows of at most ``window_size`` that
+    cover ``size``, made as equal as possible (the last one padded)."""
+    count = (size + window_size - 1) // window_size
+    window = (size + count - 1) // count
+    return window, count
+
+
+def relative_position_index(win_h: int, win_w: int, window_size: int,
+                            device: torch.device) -> torch.Tensor:
+    """``[N, N]`` rows of a ``((2w-1)^2, heads)`` bias table (``w = window_size``) for a
+    ``win_h x win_w`` window, ``N = win_h * win_w``: Swin's index, query minus key offsets."""
+    rows = torch.arange(win_h, device=device)
+    cols = torch.arange(win_w, device=device)
+    dy = rows.view(win_h, 1, 1, 1) - rows.view(1, 1, win_h, 1) + window_size - 1
+    dx = cols.view(1, win_w, 1, 1) - cols.view(1, 1, 1, win_w) + window_size - 1
+    return (dy * (2 * window_size - 1) + dx).reshape(win_h * win_w, win_h * win_w)
+
+
+@register_notrace_function
+def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
+                     window_size: int, attn_norm: str = "none") -> torch.Tensor:
+    """Multi-head attention of ``qkv [B, H, W, 3 * C]`` (timm's ``(3, heads, head_dim)`` channel
+    order) inside non-overlapping windows; ``table [(2w-1)^2, heads]`` relative biases.
+
+    Windows: per axis the fewest of at most ``window_size`` that cover the map, as equal as
+    possible (:func:`window_layout`), so a map no larger than the window is one global window
+    and a multiple of it is tiled exactly as the official code does; where the windows overrun
+    the map, the padded keys are masked out. ``attn_norm="quest"``: keys L2-normalised per head
+    and scale 1 (QUEST) instead of scale ``head_dim ** -0.5``. Returns ``[B, H, W, C]``."""
+    B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
+    C = qkv.shape[3] // 3
+    head_dim = C // num_heads
+    wh, nh = window_layout(H, window_size)
+    ww, nw = window_layout(W, window_size)
+    pad_h, pad_w = nh * wh - H, nw * ww - W
+    if pad_h > 0 or pad_w > 0:
+        qkv = F.pad(qkv, (0, 0, 0, pad_w, 0, pad_h))
+    n = wh * ww
+    qkv = qkv.reshape(B, nh, wh, nw, ww, 3, num_heads, head_dim)
+    q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
+                                                          head_dim).unbind(0)
+    scale = None                                   # SDPA's default, head_dim ** -0.5
+    if attn_norm == "quest":
+        k, scale = l2_normalize(k), 1.0
+    index = relative_position_index(wh, ww, window_size, table.device)
+    bias = table[index.reshape(-1)].reshape(n, n, num_heads).permute(2, 0, 1)   # [heads, n, n]
+    bias = bias.to(q.dtype).unsqueeze(0)
+    if pad_h > 0 or pad_w > 0:
+        valid = torch.zeros(nh * wh, nw * ww, dtype=torch.bool, device=qkv.device)
+        valid[:H, :W] = True
+        valid = valid.reshape(nh, wh, nw, ww).permute(0, 2, 1, 3).reshape(nh * nw, 1, 1, n)
+        bias = bias.masked_fill(~valid, float("-inf"))                          # [nW, heads, n, n]
+        bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    out = out.reshape(B, nh, nw, num_heads, wh, ww, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
+    out = out.reshape(B, nh * wh, nw * ww, C)
+    if pad_h > 0 or pad_w > 0:
+        out = out[:, :H, :W]
+    return out
+
+
+class LocalSelfAttention(nn.Module):
+    """Multi-head self-attention inside non-overlapping, non-shifted windows of
+    ``window_size`` (QnA-ViT's LSA blocks), ``[B, H, W, dim]`` -> same.
+
+    Relative position bias: Swin's table ``relative_position_bias_table [(2w-1)^2, heads]``
+    (zero init), added to the scaled logits. Maps that are not a multiple of the window: see
+    :func:`window_attention` (windows shrink to tile the map evenly; a map no larger than
+    ``window_size`` is attended globally).
+
+    Args:
+        dim: channels.
+        num_heads: heads (QnA-ViT: head_dim 32).
+        window_size: largest window side w.
+        qkv_bias: bias on ``qkv`` (QnA-ViT: none).
+        proj_bias: bias on ``proj`` (QnA-ViT: none).
+        proj_drop: dropout after ``proj``.
+        attn_norm: ``"none"`` (scaled dot product) or ``"quest"`` (QUEST: keys L2-normalised
+            per head, norm in fp32, scale 1; the relative bias is still added). No new
+            parameters, so QnA-ViT weights load into either (as an initialisation for
+            ``"quest"``: the logits change).
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            window_size: int = 7,
+            qkv_bias: bool = False,
+            proj_bias: bool = False,
+            proj_drop: float = 0.,
+            attn_norm: str = "none",
+            device=None,
+            dtype=None,
+    ):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"window_size must be an int >= 1, got {window_size!r}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.window_size = window_size
+        self.attn_norm = check_attn_norm(attn_norm)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias, **dd)
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * window_size - 1) ** 2, num_heads, **dd))
+        self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for linear in (self.qkv, self.proj):
+            lecun_normal_(linear.weight)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        nn.init.zeros_(self.relative_position_bias_table)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, window_size={self.window_size}, "
+                f"attn_norm={self.attn_norm!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = window_attention(self.qkv(x), self.relative_position_bias_table, self.num_heads,
+                             self.window_size, self.attn_norm)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x

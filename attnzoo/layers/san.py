@@ -1,0 +1,237 @@
+"""SAN's self-attention module (SAM): pairwise and patchwise vector attention on NCHW maps.
+
+Zhao, Jia, Koltun, "Exploring Self-attention for Image Recognition" (CVPR 2020), Sec. 3:
+
+* pairwise ``y_i = sum_{j in R(i)} gamma(delta(x_i, x_j), p_i - p_j) * beta(x_j)``, the weights
+  softmax-normalised over the footprint ``R(i)``;
+* patchwise ``y_i = sum_{j in R(i)} gamma(delta(x_R(i)))_j * beta(x_j)``, no softmax;
+
+with ``phi = conv1``, ``psi = conv2``, ``beta = conv3`` (1x1 convs), the mapping ``gamma =
+conv_w`` (BN - ReLU - 1x1 conv - BN - ReLU - 1x1 conv) applied to ``[N, C, kk, L]`` tensors, so
+its BatchNorm statistics pool over the footprint and the map, and ``Cw = out_dim / share_planes``
+weight channels shared interleaved (feature channel ``c`` uses weight ``c % Cw``). Pairwise
+attention adds the relative position ``p_i - p_j`` of a learned linear map ``conv_p`` of the
+``[-1, 1]``-normalised coordinates (channel 0 along the width, channel 1 along the height).
+
+Relation functions ``delta`` (the paper's Table 4), ``relation=``:
+
+* pairwise: ``'subtraction'`` (default, the paper's models) ``phi(x_i) - psi(x_j)``,
+  ``'summation'`` ``phi(x_i) + psi(x_j)``, ``'hadamard_product'`` ``phi(x_i) * psi(x_j)``,
+  ``'concatenation'`` ``[phi(x_i), psi(x_j)]``, ``'dot_product'`` ``phi(x_i)^T psi(x_j)``;
+* patchwise: ``'concatenation'`` (default) ``[phi(x_i), [psi(x_j)]_j]`` (channel ``c * kk + j``
+  for ``psi``), ``'star_product'`` ``[phi(x_i)^T psi(x_j)]_j``, ``'clique_product'``
+  ``[phi(x_j)^T psi(x_k)]_{j, k}``.
+
+Module and parameter names are the official code's (``conv1``, ``conv2``, ``conv3``,
+``conv_w.{0,2,3,5}``, ``conv_p``). Every neighbourhood op goes through :mod:`attnzoo.ops.san`
+in module-level functions that are ``@torch.jit.ignore`` (scripted models call them as Python,
+so the backend switch keeps working) and FX leaves (their argument checks depend on shapes).
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from timm.models import register_notrace_function
+
+from .. import backends
+from ..ops import san_aggregation, san_neighbours, san_subtraction, san_subtraction2
+from ..ops.san import PADDING_MODES
+
+__all__ = ["SAM", "PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS"]
+
+PAIRWISE_RELATIONS = ("subtraction", "summation", "hadamard_product", "concatenation",
+                      "dot_product")
+PATCHWISE_RELATIONS = ("concatenation", "star_product", "clique_product")
+
+
+@register_notrace_function
+@torch.jit.ignore
+def sa_subtraction(x: torch.Tensor, kernel_size: int, dilation: int, stride: int,
+                   padding_mode: str, backend: Optional[str]) -> torch.Tensor:
+    return san_subtraction(x, kernel_size=kernel_size, dilation=dilation, stride=stride,
+                           padding_mode=padding_mode, backend=backend)
+
+
+@register_notrace_function
+@torch.jit.ignore
+def sa_subtraction2(x1: torch.Tensor, x2: torch.Tensor, kernel_size: int, dilation: int,
+                    stride: int, padding_mode: str, backend: Optional[str]) -> torch.Tensor:
+    return san_subtraction2(x1, x2, kernel_size=kernel_size, dilation=dilation, stride=stride,
+                            padding_mode=padding_mode, backend=backend)
+
+
+@register_notrace_function
+@torch.jit.ignore
+def sa_aggregation(x: torch.Tensor, weight: torch.Tensor, kernel_size: int, dilation: int,
+                   stride: int, padding_mode: str, backend: Optional[str]) -> torch.Tensor:
+    return san_aggregation(x, weight, kernel_size=kernel_size, dilation=dilation, stride=stride,
+                           padding_mode=padding_mode, backend=backend)
+
+
+@register_notrace_function
+@torch.jit.ignore
+def sa_neighbours(x: torch.Tensor, kernel_size: int, dilation: int, stride: int,
+                  padding_mode: str) -> torch.Tensor:
+    return san_neighbours(x, kernel_size=kernel_size, dilation=dilation, stride=stride,
+                          padding_mode=padding_mode)
+
+
+def sa_centre(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """``x`` at each output position (the footprint's centre), ``[N, C, 1, L]``."""
+    return x[:, :, ::stride, ::stride].reshape(x.shape[0], x.shape[1], 1, -1)
+
+
+@register_notrace_function
+def position_grid(x: torch.Tensor) -> torch.Tensor:
+    """``[1, 2, H, W]`` coordinates of ``x``'s map normalised to ``[-1, 1]``: channel 0 along
+    the width, channel 1 along the height (the official order)."""
+    H, W = x.shape[-2], x.shape[-1]
+    loc_w = torch.linspace(-1., 1., W, device=x.device, dtype=x.dtype).view(1, W).expand(H, W)
+    loc_h = torch.linspace(-1., 1., H, device=x.device, dtype=x.dtype).view(H, 1).expand(H, W)
+    return torch.stack([loc_w, loc_h]).unsqueeze(0)
+
+
+class SAM(nn.Module):
+    """SAN's self-attention module on ``[N, dim, H, W]`` maps.
+
+    Args:
+        dim: input channels.
+        rel_dim: channels of ``phi`` / ``psi`` (``conv1`` / ``conv2``; the paper's ``C / r1``).
+        out_dim: channels of ``beta`` (``conv3``) and of the output (``C / r2``).
+        share_planes: feature channels sharing one attention weight; ``out_dim`` must be a
+            multiple of it (``Cw = out_dim / share_planes`` weight channels, shared interleaved).
+        kernel_size: odd footprint size ``k``.
+        stride: output positions every ``stride`` pixels (``ceil(H / stride)`` per axis).
+        dilation: footprint dilation.
+        sa_type: ``'pairwise'`` or ``'patchwise'``.
+        relation: the relation function (module docstring); ``None``: ``'subtraction'``
+            (pairwise) / ``'concatenation'`` (patchwise), the paper's models.
+        padding_mode: ``'reflect'`` (official; needs maps larger than ``dilation * (k - 1) / 2``)
+            or ``'zeros'``.
+        backend: backend of the SAN ops (``"torch" | "natten" | "cuda" | "auto"``); ``None``
+            follows :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` /
+            ``ATTNZOO_BACKEND``.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            rel_dim: int,
+            out_dim: int,
+            share_planes: int = 8,
+            kernel_size: int = 7,
+            stride: int = 1,
+            dilation: int = 1,
+            sa_type: str = 'pairwise',
+            relation: Optional[str] = None,
+            padding_mode: str = 'reflect',
+            backend: Optional[str] = None,
+            device=None,
+            dtype=None,
+    ):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        if sa_type not in ('pairwise', 'patchwise'):
+            raise ValueError(f"sa_type must be 'pairwise' or 'patchwise', got {sa_type!r}")
+        relations = PAIRWISE_RELATIONS if sa_type == 'pairwise' else PATCHWISE_RELATIONS
+        relation = relations[0] if relation is None else relation
+        if relation not in relations:
+            raise ValueError(f"relation {relation!r} is not a {sa_type} relation; accepted: "
+                             f"{', '.join(relations)}")
+        for name, value in (('kernel_size', kernel_size), ('stride', stride),
+                            ('dilation', dilation)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd, got {kernel_size}")
+        if share_planes < 1 or out_dim % share_planes:
+            raise ValueError(f"out_dim ({out_dim}) must be a multiple of share_planes "
+                             f"({share_planes})")
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got "
+                             f"{padding_mode!r}")
+        if backend is not None:
+            backends.get_backend(backend)  # unknown names raise ValueError now, not at forward
+        self.sa_type = sa_type
+        self.relation = relation
+        self.kernel_size = kernel_size
+        self.stride = stride
+        self.dilation = dilation
+        self.padding_mode = padding_mode
+        self.backend = backend
+        self.taps = kernel_size * kernel_size
+        weight_dim = out_dim // share_planes
+
+        self.conv1 = nn.Conv2d(dim, rel_dim, 1, **dd)
+        self.conv2 = nn.Conv2d(dim, rel_dim, 1, **dd)
+        self.conv3 = nn.Conv2d(dim, out_dim, 1, **dd)
+        if sa_type == 'pairwise':
+            in_w = {'concatenation': 2 * rel_dim, 'dot_product': 1}.get(relation, rel_dim) + 2
+            self.conv_w = nn.Sequential(
+                nn.BatchNorm2d(in_w, **dd), nn.ReLU(inplace=True),
+                nn.Conv2d(in_w, rel_dim, 1, bias=False, **dd),
+                nn.BatchNorm2d(rel_dim, **dd), nn.ReLU(inplace=True),
+                nn.Conv2d(rel_dim, weight_dim, 1, **dd))
+            self.conv_p = nn.Conv2d(2, 2, 1, **dd)
+        else:
+            in_w = {'concatenation': rel_dim * (self.taps + 1), 'star_product': self.taps,
+                    'clique_product': self.taps * self.taps}[relation]
+            self.conv_w = nn.Sequential(
+                nn.BatchNorm2d(in_w, **dd), nn.ReLU(inplace=True),
+                nn.Conv2d(in_w, weight_dim, 1, bias=False, **dd),
+                nn.BatchNorm2d(weight_dim, **dd), nn.ReLU(inplace=True),
+                nn.Conv2d(weight_dim, self.taps * weight_dim, 1, **dd))
+            self.conv_p = None
+
+    def extra_repr(self) -> str:
+        return (f"sa_type={self.sa_type!r}, relation={self.relation!r}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"dilation={self.dilation}, padding_mode={self.padding_mode!r}, "
+                f"backend={self.backend!r}")
+
+    def neighbours(self, x: torch.Tensor) -> torch.Tensor:
+        return sa_neighbours(x, self.kernel_size, self.dilation, self.stride, self.padding_mode)
+
+    def pairwise_relation(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """``delta(x_i, x_j)``, ``[N, C, kk, L]``."""
+        if self.relation == 'subtraction':
+            return sa_subtraction2(x1, x2, self.kernel_size, self.dilation, self.stride,
+                                   self.padding_mode, self.backend)
+        if self.relation == 'summation':  # x1_i - (-x2_j), exactly
+            return sa_subtraction2(x1, -x2, self.kernel_size, self.dilation, self.stride,
+                                   self.padding_mode, self.backend)
+        centre, nbrs = sa_centre(x1, self.stride), self.neighbours(x2)
+        if self.relation == 'hadamard_product':
+            return centre * nbrs
+        if self.relation == 'concatenation':
+            return torch.cat([centre.expand_as(nbrs), nbrs], 1)
+        return (centre * nbrs).sum(1, keepdim=True)  # dot_product
+
+    def patchwise_relation(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """``delta(x_R(i))``, ``[N, C, 1, L]``."""
+        N = x1.shape[0]
+        centre = sa_centre(x1, self.stride)
+        nbrs = self.neighbours(x2)                                        # [N, C, kk, L]
+        if self.relation == 'concatenation':
+            return torch.cat([centre, nbrs.reshape(N, -1, 1, nbrs.shape[-1])], 1)
+        if self.relation == 'star_product':
+            return (centre * nbrs).sum(1).unsqueeze(2)
+        # clique_product: every pair (j, k) of the footprint, index j * kk + k
+        clique = torch.einsum('ncjl,nckl->njkl', self.neighbours(x1), nbrs)
+        return clique.reshape(N, -1, 1, nbrs.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2, x3 = self.conv1(x), self.conv2(x), self.conv3(x)
+        if self.conv_p is not None:  # pairwise
+            p = self.conv_p(position_grid(x))
+            p = sa_subtraction(p, self.kernel_size, self.dilation, self.stride,
+                               self.padding_mode, self.backend)
+            r = self.pairwise_relation(x1, x2)
+            r = torch.cat([r, p.expand(r.shape[0], -1, -1, -1).to(r.dtype)], 1)
+            w = self.conv_w(r).softmax(dim=-2)
+        else:
+            w = self.conv_w(self.patchwise_relation(x1, x2))
+            w = w.reshape(w.shape[0], -1, self.taps, w.shape[-1])
+        # autocast runs the softmax in float32; the aggregation takes one dtype
+        return sa_aggregation(x3, w.to(x3.dtype), self.kernel_size, self.dilation, self.stride,
+                              self.padding_mode, self.backend)

@@ -1,0 +1,693 @@
+""" QnA-ViT
+
+Paper: `Learned Queries for Efficient Local Attention` - https://arxiv.org/abs/2112.11435
+@inproceedings{arar2022learned,
+  title     = {Learned Queries for Efficient Local Attention},
+  author    = {Arar, Moab and Shamir, Ariel and Bermano, Amit H.},
+  booktitle = {Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
+  year      = {2022},
+}
+
+Official code and weights (JAX/Flax, MIT license): https://github.com/moabarar/qna. The weights
+are only behind the authors' download link, as Flax checkpoints: :func:`read_checkpoint` reads
+them (msgpack + numpy, no JAX) and :func:`checkpoint_filter_fn` converts them;
+``attnzoo convert qna_vit_tiny checkpoint_N qna_vit_tiny.safetensors`` then
+``timm.create_model('qna_vit_tiny', pretrained=True,
+pretrained_cfg_overlay=dict(file='qna_vit_tiny.safetensors'))``.
+
+Architecture: a 4x4 stride-4 patch conv, four stages of pre-norm blocks (LayerNorm eps 1e-6,
+tanh GELU MLP x4, no layer scale), LayerNorm, global average pool, linear head. A stage runs
+window self-attention blocks ("LSA", stages 2-3) first, then QnA blocks; in the paper the last
+QnA block of stages 0-2 strides 2 and doubles the channels and heads.
+
+Mapping onto timm's layout (attnzoo's model policy, :mod:`attnzoo.models`): that downsampling
+block (QnA with stride 2 and a 1x1 stride-2 conv skip) is the ``downsample`` leading
+``stages.{i+1}``, so ``stages.0`` is the first two QnA blocks at stride 4, ``stages.1`` the first
+downsampling block and three QnA blocks at stride 8, and so on: a stage's output is the last
+feature map at its resolution (NCHW, ``embed_dim * 2**i`` channels, reduction ``4 * 2**i``), what
+``features_only`` / ``forward_intermediates`` return. Execution order, and so the drop-path
+schedule (linear over every block, the downsampling ones included, which drop only their MLP
+branch), is the official one.
+
+Input sizes: any ``H, W >= 1``. The stem pads like the official ``'SAME'`` convolution (nothing
+at multiples of 4), QnA handles every size (out-of-bounds keys are excluded from its windows),
+stride-2 levels are ``ceil(H / 2)``. The official LSA requires the window (14 in stage 2, 7 in
+stage 3) to divide the map (multiples of 224 px); here each axis uses the fewest windows of at
+most that size which cover the map, made as equal as possible, and masks the padded keys where
+they do not divide it evenly: at multiples of 224 px this is exactly the official tiling, a map
+no larger than the window (e.g. 160 px: 10x10 and 5x5) is one global window, and 256 px (16x16
+in stage 2) uses 2x2 windows of 8x8.
+"""
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import (
+    ClassifierHead,
+    DropPath,
+    LayerNorm2d,
+    Mlp,
+    calculate_drop_path_rates,
+    get_device_dtype,
+    lecun_normal_,
+)
+from timm.layers.activations import GELUTanh  # timm 1.0.29 does not export it from timm.layers
+from timm.models import generate_default_cfgs, register_notrace_function
+from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint_seq
+
+from ..layers import LocalSelfAttention, QnA
+from ..layers.quest import check_attn_norm
+from ._helpers import build_model, check_image_input, check_state_dict, per_stage, unwrap_checkpoint
+from ._registry import register_variants
+
+__all__ = ["QnAViT", "checkpoint_filter_fn", "read_checkpoint"]
+
+_LN_EPS = 1e-6  # Flax's LayerNorm default
+
+
+@register_notrace_function
+def pad_same(x: torch.Tensor, kernel_size: int, stride: int) -> torch.Tensor:
+    """TensorFlow / JAX ``'SAME'`` padding of NCHW ``x`` for a convolution: total
+    ``max((ceil(n / stride) - 1) * stride + kernel_size - n, 0)`` per axis, the smaller half
+    first; no copy where nothing is padded."""
+    pads: List[int] = []
+    for n in (x.shape[3], x.shape[2]):
+        total = max((n + stride - 1) // stride * stride - stride + kernel_size - n, 0)
+        pads += [total // 2, total - total // 2]
+    if max(pads) > 0:
+        x = F.pad(x, pads)
+    return x
+
+
+class Stem(nn.Module):
+    """The official stem: a 4x4 stride-4 convolution, no bias, ``'SAME'`` padding (none at
+    multiples of 4), no norm; NCHW in and out."""
+
+    def __init__(self, in_chans: int = 3, embed_dim: int = 64, patch_size: int = 4, device=None,
+                 dtype=None):
+        super().__init__()
+        self.patch_size = patch_size
+        self.conv = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size, bias=False,
+                              device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(pad_same(x, self.patch_size, self.patch_size))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block on NHWC maps: ``x + drop_path(attn(norm1(x)))``, then
+    ``x + drop_path(mlp(norm2(x)))``; ``attn`` is a :class:`~attnzoo.layers.QnA` or a
+    :class:`~attnzoo.layers.LocalSelfAttention`."""
+
+    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 4., proj_drop: float = 0.,
+                 drop_path: float = 0., device=None, dtype=None):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=_LN_EPS, **dd)
+        self.attn = attn
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=_LN_EPS, **dd)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=GELUTanh, drop=proj_drop, **dd)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path1(self.attn(self.norm1(x)))
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x
+
+
+class DownsampleBlock(nn.Module):
+    """The paper's downsampling QnA block, NHWC: a stride-2 QnA with ``out_dim`` channels, whose
+    skip is a 1x1 stride-2 conv (no bias) of the un-normalised input, then the MLP half of a
+    block. Only the MLP branch has drop path (as officially)."""
+
+    def __init__(self, dim: int, out_dim: int, num_heads: int, kernel_size: int = 3,
+                 num_queries: int = 2, mlp_ratio: float = 4., proj_drop: float = 0.,
+                 drop_path: float = 0., backend: Optional[str] = None, device=None, dtype=None):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.shortcut = nn.Conv2d(dim, out_dim, 1, stride=2, bias=False, **dd)
+        self.norm1 = nn.LayerNorm(dim, eps=_LN_EPS, **dd)
+        self.attn = QnA(dim, out_dim, num_heads, kernel_size=kernel_size, stride=2,
+                        num_queries=num_queries, proj_drop=proj_drop, backend=backend, **dd)
+        self.norm2 = nn.LayerNorm(out_dim, eps=_LN_EPS, **dd)
+        self.mlp = Mlp(out_dim, int(out_dim * mlp_ratio), act_layer=GELUTanh, drop=proj_drop,
+                       **dd)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = self.shortcut(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        x = shortcut + self.attn(self.norm1(x))
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x
+
+
+class QnAStage(nn.Module):
+    """``downsample`` (identity in stage 0), then the LSA blocks, then the QnA blocks; NHWC
+    inside, NCHW in and out, so a stage's output is its feature tap for every feature
+    extractor."""
+
+    def __init__(
+            self,
+            in_dim: int,
+            dim: int,
+            qna_depth: int,
+            lsa_depth: int,
+            qna_heads: int,
+            lsa_heads: int,
+            kernel_size: int,
+            window_size: int,
+            drop_path: Sequence[float],
+            downsample: Optional[Dict[str, Any]] = None,
+            num_queries: int = 2,
+            mlp_ratio: float = 4.,
+            proj_drop: float = 0.,
+            backend: Optional[str] = None,
+            attn_norm: str = "none",
+            device=None,
+            dtype=None,
+    ):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.grad_checkpointing = False
+        dpr = list(drop_path)
+        if downsample is not None:
+            self.downsample = DownsampleBlock(
+                in_dim, dim, num_queries=num_queries, mlp_ratio=mlp_ratio, proj_drop=proj_drop,
+                drop_path=dpr.pop(0), backend=backend, **downsample, **dd)
+        else:
+            self.downsample = nn.Identity()
+        blocks = []
+        for j in range(lsa_depth + qna_depth):
+            if j < lsa_depth:
+                attn = LocalSelfAttention(dim, lsa_heads, window_size=window_size,
+                                          proj_drop=proj_drop, attn_norm=attn_norm, **dd)
+            else:
+                attn = QnA(dim, dim, qna_heads, kernel_size=kernel_size, num_queries=num_queries,
+                           proj_drop=proj_drop, backend=backend, **dd)
+            blocks.append(Block(dim, attn, mlp_ratio=mlp_ratio, proj_drop=proj_drop,
+                                drop_path=dpr[j], **dd))
+        self.blocks = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NCHW -> NHWC, stored NHWC: a view for the NCHW (channels-last) outputs of earlier
+        # stages, one copy after the stem; every residual sum then keeps this layout.
+        x = self.downsample(x.permute(0, 2, 3, 1).contiguous())
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return x.permute(0, 3, 1, 2)
+
+
+class QnAViT(nn.Module):
+    """QnA-ViT: hierarchical vision transformer of QnA and window self-attention blocks.
+
+    Args:
+        in_chans: input image channels.
+        num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
+        global_pool: ``'avg'`` (official), any timm ``SelectAdaptivePool2d`` type, or ``''``.
+        embed_dim: channels of stage 0; stage ``i`` has ``embed_dim * 2 ** i``.
+        qna_depths: QnA blocks per stage of the paper (its downsampling blocks not counted).
+        lsa_depths: window self-attention blocks per stage.
+        qna_heads: QnA heads per stage (a downsampling block has twice its stage's heads).
+        lsa_heads: self-attention heads per stage.
+        kernel_size: QnA window size, one int or one per stage.
+        window_sizes: largest LSA window per stage (see the module docstring for other sizes).
+        num_queries: learned queries per QnA layer.
+        mlp_ratio: MLP hidden width / dim.
+        drop_rate: dropout before the classifier.
+        proj_drop_rate: dropout after attention / MLP projections.
+        drop_path_rate: stochastic depth, linear from 0 over every block in execution order.
+        backend: ``qna2d`` backend for every QnA layer (``None``: follow
+            :mod:`attnzoo.backends`).
+        attn_norm: ``"none"`` (QnA-ViT) or ``"quest"``: the LSA blocks normalise their keys
+            and use scale 1 (QUEST, arXiv:2604.00199); same parameters, so QnA-ViT weights
+            load as an initialisation. QnA's own learned-query attention is unchanged.
+    """
+
+    def __init__(
+            self,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = 'avg',
+            embed_dim: int = 64,
+            qna_depths: Tuple[int, ...] = (2, 3, 2, 0),
+            lsa_depths: Tuple[int, ...] = (0, 0, 4, 2),
+            qna_heads: Tuple[int, ...] = (8, 16, 32, 64),
+            lsa_heads: Tuple[int, ...] = (2, 4, 8, 16),
+            kernel_size: Union[int, Sequence[int]] = 3,
+            window_sizes: Union[int, Sequence[int]] = (7, 7, 14, 7),
+            num_queries: int = 2,
+            mlp_ratio: float = 4.,
+            drop_rate: float = 0.,
+            proj_drop_rate: float = 0.,
+            drop_path_rate: float = 0.05,
+            backend: Optional[str] = None,
+            attn_norm: str = "none",
+            device=None,
+            dtype=None,
+    ):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        check_attn_norm(attn_norm)   # also where no stage has LSA blocks
+        num_stages = len(qna_depths)
+        lsa_depths = per_stage(lsa_depths, num_stages, "lsa_depths")
+        qna_heads = per_stage(qna_heads, num_stages, "qna_heads")
+        lsa_heads = per_stage(lsa_heads, num_stages, "lsa_heads")
+        kernel_sizes = per_stage(kernel_size, num_stages, "kernel_size")
+        window_sizes = per_stage(window_sizes, num_stages, "window_sizes")
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.drop_rate = drop_rate
+        self.output_fmt = 'NCHW'
+
+        self.stem = Stem(in_chans, embed_dim, **dd)
+        # In execution order: stage i's downsampling block (from i = 1), LSA and QnA blocks.
+        dpr = calculate_drop_path_rates(drop_path_rate,
+                                        sum(lsa_depths) + sum(qna_depths) + num_stages - 1)
+        self.feature_info = []
+        stages = []
+        dim = embed_dim
+        for i in range(num_stages):
+            in_dim, dim = dim, embed_dim * 2 ** i
+            n = lsa_depths[i] + qna_depths[i] + (i > 0)
+            stage_dpr, dpr = dpr[:n], dpr[n:]
+            downsample = None if i == 0 else dict(num_heads=2 * qna_heads[i - 1],
+                                                  kernel_size=kernel_sizes[i - 1])
+            stages.append(QnAStage(
+                in_dim, dim, qna_depths[i], lsa_depths[i], qna_heads[i], lsa_heads[i],
+                kernel_sizes[i], window_sizes[i], stage_dpr, downsample=downsample,
+                num_queries=num_queries, mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate,
+                backend=backend, attn_norm=attn_norm, **dd))
+            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
+        self.stages = nn.Sequential(*stages)
+        self.num_features = dim
+        self.norm = LayerNorm2d(dim, eps=_LN_EPS, **dd)
+        self.head = ClassifierHead(dim, num_classes, pool_type=global_pool, drop_rate=drop_rate,
+                                   **dd)
+        self.head_hidden_size = dim * self.head.global_pool.feat_mult()
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # Official (Flax) init: every dense and conv kernel lecun_normal, zero biases; the QnA
+        # and LSA layers initialise their own parameters.
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
+            lecun_normal_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        # Official: no decay on relative biases and window weights.
+        return {n for n, _ in self.named_parameters()
+                if n.endswith(('.rpb', '.window_weights', '.relative_position_bias_table'))}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r'^stem',
+            blocks=r'^stages\.(\d+)' if coarse else [
+                (r'^stages\.(\d+)\.downsample', (0,)),
+                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
+                (r'^norm', (99999,)),
+            ],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        # A new head (not ClassifierHead.reset): its input width changes when stages are pruned.
+        if global_pool is None:
+            global_pool = self.head.global_pool.pool_type
+        self.num_classes = num_classes
+        self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool,
+                                   drop_rate=self.drop_rate, **get_device_dtype(self))
+        self.head.train(self.training)
+        self.head_hidden_size = self.num_features * self.head.global_pool.feat_mult()
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Forward returning each stage's output.
+
+        Args:
+            x: input images, NCHW.
+            indices: take the last n stages if int, all if None, or these stages.
+            norm: apply the final norm to the last stage's intermediate.
+            stop_early: stop after the last stage needed.
+            output_fmt: 'NCHW' or 'NHWC' intermediates.
+            intermediates_only: return only the intermediates.
+
+        Returns:
+            intermediates, or (final features as forward_features, intermediates).
+        """
+        assert output_fmt in ('NCHW', 'NHWC'), 'Output format must be NCHW or NHWC.'
+        intermediates = []
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        x = check_image_input(x, self.in_chans)
+        x = self.stem(x)
+        last_idx = len(self.stages) - 1
+        if torch.jit.is_scripting() or not stop_early:  # can't slice modules in torchscript
+            stages = self.stages
+        else:
+            stages = self.stages[:max_index + 1]
+        feat_idx = 0
+        for feat_idx, stage in enumerate(stages):
+            x = stage(x)
+            if feat_idx in take_indices:
+                x_inter = self.norm(x) if norm and feat_idx == last_idx else x
+                intermediates.append(x_inter if output_fmt == 'NCHW'
+                                     else x_inter.permute(0, 2, 3, 1))
+        if intermediates_only:
+            return intermediates
+        if feat_idx == last_idx:
+            x = self.norm(x)  # the final norm is sized for the last stage only
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the stages (and norm / head) not needed for the intermediates ``indices``."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[:max_index + 1]
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        if prune_end:
+            self.num_features = self.feature_info[max_index]['num_chs']
+        if prune_head or prune_end:
+            self.reset_classifier(0, '')
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Final normalised feature map, NCHW and unpooled."""
+        x = check_image_input(x, self.in_chans)
+        x = self.stem(x)
+        x = self.stages(x)
+        x = self.norm(x)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Pool over H, W (official: mean), dropout, classifier."""
+        return self.head(x, pre_logits=pre_logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.forward_features(x)
+        x = self.forward_head(x)
+        return x
+
+
+# --------------------------------------------------------------------------------------------
+# official checkpoints
+# --------------------------------------------------------------------------------------------
+
+def read_checkpoint(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """The tree of an official checkpoint: a Flax "legacy" msgpack file (``checkpoint_<step>``,
+    ``flax.serialization.to_bytes`` of the training state: ``step``, ``params``,
+    ``opt_state``, ...), read with msgpack and numpy, no JAX. Arrays are msgpack extension
+    type 1 holding ``msgpack((shape, dtype name, C-order bytes))``, numpy scalars type 3;
+    arrays over 1 GiB are stored as ``__msgpack_chunked_array__`` dicts.
+
+    Raises ``ImportError`` naming what to install when msgpack or numpy is missing and
+    ``ValueError`` for a file that is not such a checkpoint."""
+    try:
+        import msgpack
+        import numpy as np
+    except ImportError as e:
+        raise ImportError(
+            f"reading the official QnA-ViT Flax checkpoints needs msgpack and numpy ({e}): "
+            "pip install 'attnzoo[convert]' (or pip install msgpack numpy)") from e
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+
+    def array(payload: bytes) -> "np.ndarray":
+        shape, dtype, buffer = msgpack.unpackb(payload, raw=True)
+        if dtype == b'bfloat16':  # JAX's bfloat16: the high half of a float32
+            bits = np.frombuffer(buffer, dtype=np.uint16).astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(shape)
+        return np.frombuffer(buffer, dtype=np.dtype(dtype.decode())).reshape(shape)
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code == 1:
+            return array(payload)
+        if code == 3:
+            return array(payload)[()]
+        if code == 2:
+            real, imag = msgpack.unpackb(payload)
+            return complex(real, imag)
+        return msgpack.ExtType(code, payload)
+
+    def unchunk(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if '__msgpack_chunked_array__' in node:
+            shape = tuple(node['shape'][str(i)] for i in range(len(node['shape'])))
+            chunks = [node['chunks'][str(i)] for i in range(len(node['chunks']))]
+            return np.concatenate(chunks).reshape(shape)
+        return {k: unchunk(v) for k, v in node.items()}
+
+    with open(path, 'rb') as f:
+        data = f.read()
+    try:
+        tree = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001 - say what the file is not, with the cause
+        raise ValueError(f"{path!r} is not a Flax msgpack checkpoint ({type(e).__name__}: {e})"
+                         ) from e
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path!r} is not a Flax checkpoint: its msgpack holds a "
+                         f"{type(tree).__name__}, not a tree of named parameters")
+    return unchunk(tree)
+
+
+def _dense(shape):  # Flax Dense kernel (in, out) <-> Linear.weight (out, in)
+    return (shape[1], shape[0]), lambda a: a.T
+
+
+def _conv(shape):  # Flax conv kernel HWIO <-> OIHW
+    return (shape[2], shape[3], shape[1], shape[0]), lambda a: a.transpose(3, 2, 0, 1)
+
+
+def _same(shape):
+    return tuple(shape), lambda a: a
+
+
+def _per_offset(shape, leading=()):
+    """Flax ``(k*k, L*h)`` (``leading`` singleton dims first), index ``[a*k + b, l*h + head]``
+    <-> ours ``[L, h, k, k]``."""
+    L, h, k, _ = shape
+    return leading + (k * k, L * h), lambda a: a.reshape(k, k, L, h).transpose(2, 3, 0, 1)
+
+
+def _qkv(num_heads: int):
+    def layout(shape):  # Flax (C, 3C), output ordered (head, q|k|v, d); timm's is (q|k|v, head, d)
+        C = shape[1]
+        d = C // num_heads
+        return (C, 3 * C), lambda a: a.reshape(C, num_heads, 3, d).transpose(0, 2, 1, 3).reshape(
+            C, 3 * C).T
+    return layout
+
+
+def _flax_layout(model: QnAViT) -> List[Tuple[str, str, Callable]]:
+    """``(our key, Flax leaf path, layout)`` for every parameter, in the official tree's names:
+    ``QnAStage_{s}/QnA_Block_{j}`` (1-based), ``QnAStage_{s}/QnA_Block_{n+1}_stride_2`` (stage
+    ``s``'s downsampling block, our ``stages.{s+1}.downsample``), ``LSAStage_{s}/MSA_Block_{j}``,
+    ``StemBlock_0``, ``ClassificationHead_0``."""
+    entries = [('stem.conv.weight', 'StemBlock_0/conv_1x1/kernel', _conv),
+               ('norm.weight', 'ClassificationHead_0/LayerNorm_0/scale', _same),
+               ('norm.bias', 'ClassificationHead_0/LayerNorm_0/bias', _same),
+               ('head.fc.weight', 'ClassificationHead_0/head_logits/kernel', _dense),
+               ('head.fc.bias', 'ClassificationHead_0/head_logits/bias', _same)]
+
+    def block(ours: str, flax: str, mixer: nn.Module):
+        out = [(f'{ours}.norm1.weight', f'{flax}/LayerNorm_0/scale', _same),
+               (f'{ours}.norm1.bias', f'{flax}/LayerNorm_0/bias', _same),
+               (f'{ours}.norm2.weight', f'{flax}/LayerNorm_1/scale', _same),
+               (f'{ours}.norm2.bias', f'{flax}/LayerNorm_1/bias', _same)]
+        for i, fc in enumerate(('fc1', 'fc2')):
+            out += [(f'{ours}.mlp.{fc}.weight', f'{flax}/MlpBlock_0/Dense_{i}/kernel', _dense),
+                    (f'{ours}.mlp.{fc}.bias', f'{flax}/MlpBlock_0/Dense_{i}/bias', _same)]
+        a = f'{ours}.attn'
+        if isinstance(mixer, QnA):
+            f = f'{flax}/FusedKQnA_0'
+            out += [(f'{a}.queries', f'{f}/query', _same), (f'{a}.k.weight', f'{f}/Wk', _dense),
+                    (f'{a}.v.weight', f'{f}/to_v/kernel', _dense),
+                    (f'{a}.proj.weight', f'{f}/to_out/kernel', _dense),
+                    (f'{a}.rpb', f'{f}/rpe_bias', _per_offset),
+                    (f'{a}.window_weights', f'{f}/attn_scale_weights',
+                     lambda shape: _per_offset(shape, leading=(1, 1)))]
+        else:
+            f = f'{flax}/MultiHeadSelfAttention_0'
+            out += [(f'{a}.qkv.weight', f'{f}/to_qkv/kernel', _qkv(mixer.num_heads)),
+                    (f'{a}.proj.weight', f'{f}/to_out/kernel', _dense),
+                    (f'{a}.relative_position_bias_table',
+                     f'{f}/RelativePositionalEmbedding_0/rpe_bias', _same)]
+        return out
+
+    n_qna = 0  # QnA blocks of the previous stage: its downsampling block is QnA_Block_{n+1}
+    for s, stage in enumerate(model.stages):
+        if isinstance(stage.downsample, DownsampleBlock):
+            name = f'QnAStage_{s - 1}/QnA_Block_{n_qna + 1}_stride_2'
+            entries += block(f'stages.{s}.downsample', name, stage.downsample.attn)
+            entries.append((f'stages.{s}.downsample.shortcut.weight', f'{name}/Conv_0/kernel',
+                            _conv))
+        n_lsa = n_qna = 0
+        for j, blk in enumerate(stage.blocks):
+            if isinstance(blk.attn, QnA):
+                n_qna += 1
+                name = f'QnAStage_{s}/QnA_Block_{n_qna}'
+            else:
+                n_lsa += 1
+                name = f'LSAStage_{s}/MSA_Block_{n_lsa}'
+            entries += block(f'stages.{s}.blocks.{j}', name, blk.attn)
+    return entries
+
+
+def _flatten_tree(tree: Dict[str, Any], prefix: str = '') -> Dict[str, Any]:
+    flat = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            flat.update(_flatten_tree(v, f'{prefix}{k}/'))
+        else:
+            flat[f'{prefix}{k}'] = v
+    return flat
+
+
+# Flax-layout dims that may differ from the model: timm adapts the stem's input channels
+# (in_chans) and the classifier (num_classes) after the filter.
+_ADAPTED_DIM = {'stem.conv.weight': 2, 'head.fc.weight': 1, 'head.fc.bias': 0}
+
+
+def _from_flax(tree: Dict[str, Any], model: QnAViT) -> Dict[str, torch.Tensor]:
+    """The official Flax tree (the training state or its ``params``) -> our state dict. Raises
+    ``ValueError`` naming the first leaf that is missing, mis-shaped or left over."""
+    import numpy as np
+
+    while isinstance(tree.get('params'), dict):  # training state -> params (-> params)
+        tree = tree['params']
+    leaves = _flatten_tree(tree)
+    expected = model.state_dict()
+    name = type(model).__name__
+    out, used = {}, set()
+    for key, path, layout in _flax_layout(model):
+        if path not in leaves:
+            raise ValueError(f"official checkpoint has no leaf '{path}' (needed for {key}): "
+                             f"it is not a checkpoint of this {name} variant")
+        leaf = np.asarray(leaves[path])
+        used.add(path)
+        if key not in expected:  # a classifier the model does not have (num_classes=0)
+            out[key] = torch.from_numpy(np.array(leaf.T if leaf.ndim == 2 else leaf, np.float32))
+            continue
+        want = tuple(expected[key].shape)
+        flax_shape, convert = layout(want)
+        free = _ADAPTED_DIM.get(key)  # a dim timm adapts itself (in_chans, num_classes)
+        fits = leaf.ndim == len(flax_shape) and all(
+            a == b for i, (a, b) in enumerate(zip(leaf.shape, flax_shape)) if i != free)
+        if key.endswith('.window_weights') and leaf.shape == flax_shape[2:]:
+            fits = True  # also accept the rpe_bias-like (k*k, L*h) form
+        if not fits:
+            raise ValueError(f"official checkpoint leaf '{path}' has shape {tuple(leaf.shape)}, "
+                             f"expected {flax_shape} (Flax layout of {key} {want}): it is not a "
+                             f"checkpoint of this {name} variant")
+        out[key] = torch.from_numpy(np.array(convert(leaf), dtype=np.float32))  # a writable copy
+    extra = [p for p in leaves if p not in used]
+    if extra:
+        raise ValueError(f"official checkpoint leaf '{extra[0]}' has no place in this {name} "
+                         f"variant ({len(extra)} unused leaves): wrong variant?")
+    return out
+
+
+def _is_flax_tree(state_dict: Dict[str, Any]) -> bool:
+    return isinstance(state_dict.get('params'), dict) or 'StemBlock_0' in state_dict
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Any], model: QnAViT) -> Dict[str, torch.Tensor]:
+    """Map a QnA-ViT checkpoint onto ``model``'s state dict.
+
+    Accepts the official Flax tree (:func:`read_checkpoint`'s result: the training state or its
+    ``params``; every leaf converted to our layout: Dense kernels transposed, HWIO convs to
+    OIHW, the per-offset ``rpe_bias`` / ``attn_scale_weights`` to ``[L, heads, k, k]``, the
+    LSA ``to_qkv`` output reordered from ``(head, q|k|v, d)`` to timm's ``(q|k|v, head, d)``)
+    and ours (raw or wrapped). Raises ``ValueError`` naming the first official leaf that is
+    missing, mis-shaped or unused, or listing our keys that do not match; the classifier and
+    the stem's input channels are left for timm to adapt (``num_classes`` / ``in_chans``).
+    """
+    if _is_flax_tree(state_dict):
+        state_dict = _from_flax(state_dict, model)
+    else:
+        state_dict = unwrap_checkpoint(state_dict)
+    return check_state_dict(state_dict, model, adaptable=('head.fc.',), first_conv='stem.conv')
+
+
+# --------------------------------------------------------------------------------------------
+# model creation, pretrained configs, registration
+# --------------------------------------------------------------------------------------------
+
+def _create_qna_vit(variant: str, pretrained: bool, model_args: Dict[str, Any],
+                    **kwargs) -> QnAViT:
+    kwargs = dict(model_args, **kwargs)  # the caller's kwargs override the variant's config
+    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('qna_depths', range(4))))))
+    return build_model(
+        QnAViT, variant, pretrained, filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices), **kwargs)
+
+
+def _cfg(**kwargs) -> Dict[str, Any]:
+    return {
+        # The official weights exist only behind the authors' download link (Flax files): no
+        # hf_hub_id / url. pretrained=True explains how to convert and load them.
+        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
+        'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
+        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'stem.conv', 'classifier': 'head.fc',
+        'license': 'mit', 'origin_url': 'https://github.com/moabarar/qna',
+        'paper_ids': 'arXiv:2112.11435',
+        'paper_name': 'Learned Queries for Efficient Local Attention',
+        'notes': ('official ImageNet-1k weights: Flax checkpoints linked from the origin_url '
+                  'README; convert with `attnzoo convert`',),
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    'qna_vit_tiny.in1k': _cfg(),
+    'qna_vit_tiny_7x7.in1k': _cfg(),
+    'qna_vit_small.in1k': _cfg(),
+    'qna_vit_base.in1k': _cfg(),
+})
+
+_TINY = dict(embed_dim=64, qna_depths=(2, 3, 2, 0), lsa_depths=(0, 0, 4, 2),
+             qna_heads=(8, 16, 32, 64), lsa_heads=(2, 4, 8, 16), drop_path_rate=0.05)
+_SMALL = dict(_TINY, qna_depths=(2, 3, 6, 0), lsa_depths=(0, 0, 12, 2), drop_path_rate=0.2)
+_BASE = dict(_SMALL, embed_dim=96, qna_heads=(6, 12, 24, 48), lsa_heads=(3, 6, 12, 24),
+             drop_path_rate=0.5)
+
+register_variants(globals(), _create_qna_vit, {
+    'qna_vit_tiny': ("QnA-ViT-Tiny (15.7M params, 2.4 GMACs @ 224), 3x3 QnA windows.", _TINY),
+    'qna_vit_tiny_7x7': ("QnA-ViT-Tiny with 7x7 QnA windows (15.8M params, 2.5 GMACs @ 224).",
+                         dict(_TINY, kernel_size=7)),
+    'qna_vit_small': ("QnA-ViT-Small (25.0M params, 4.3 GMACs @ 224).", _SMALL),
+    'qna_vit_base': ("QnA-ViT-Base (55.7M params, 9.5 GMACs @ 224).", _BASE),
+})

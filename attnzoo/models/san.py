@@ -1,0 +1,444 @@
+""" SAN: self-attention networks (pairwise and patchwise)
+
+Paper: `Exploring Self-attention for Image Recognition` - https://arxiv.org/abs/2004.13621
+@inproceedings{zhao2020san,
+  title     = {Exploring Self-attention for Image Recognition},
+  author    = {Zhao, Hengshuang and Jia, Jiaya and Koltun, Vladlen},
+  booktitle = {Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
+  year      = {2020},
+}
+
+Official code and weights: https://github.com/hszhao/SAN (MIT); the trained models are on the
+Google Drive folder its README links. They are not on the Hugging Face Hub: download one, then
+``attnzoo convert san10_pairwise model_best.pth san10_pairwise.safetensors`` and load it with
+``timm.create_model('san10_pairwise', pretrained=True,
+pretrained_cfg_overlay=dict(file='san10_pairwise.safetensors'))`` (the official ``.pth`` loads
+the same way directly).
+
+Module tree (attnzoo's model policy, :mod:`attnzoo.models`), following the paper's transitions
+("batch normalization, ReLU, 2x2 max pooling with stride 2, a linear mapping"):
+``stem`` (1x1 conv, BN, ReLU at full resolution) -> ``stages.{0..4}`` (``downsample``: BN + ReLU
+of the previous stage (none after the stem), 2x2 max pool, 1x1 conv; then pre-activation
+``blocks``) -> ``norm`` (the last BN + ReLU) -> ``head`` (global average pool, ``fc``). Stage
+outputs, the feature taps, are the blocks' residual stream, NCHW. :func:`checkpoint_filter_fn`
+maps the official names (``conv_in``, ``bn_in``, ``conv{i}``, ``bn{i}``, ``layer{i}.{j}``,
+``fc``) onto it.
+
+Input sizes: every stage halves the map (floor), stage ``i`` sees ``H // 2 ** (i + 1)``. The
+reflection padding of a ``k x k`` footprint needs maps larger than ``(k - 1) / 2``: with the
+last stage's 7x7 footprint the input must be at least 128 px on both axes (a ``ValueError``
+says so below that; the official CUDA ops silently read out of bounds). Every size from there up
+works, non-square too. ``padding_mode='zeros'`` lowers the minimum to 32 px (not the official
+models' padding).
+"""
+import re
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import BatchNormAct2d, ClassifierHead, DropPath, calculate_drop_path_rates
+from timm.layers import get_device_dtype
+from timm.models import generate_default_cfgs
+from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint_seq
+
+from ..layers import SAM
+from ._helpers import build_model, check_image_input, check_state_dict, per_stage, unwrap_checkpoint
+from ._registry import register_variants
+
+__all__ = ["SAN", "checkpoint_filter_fn"]
+
+
+class Stem(nn.Module):
+    """1x1 conv (no bias), BN, ReLU, at full resolution."""
+
+    def __init__(self, in_chans: int, out_chs: int, device=None, dtype=None):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, out_chs, 1, bias=False, **dd)
+        self.norm = BatchNormAct2d(out_chs, **dd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+
+
+class Transition(nn.Module):
+    """The paper's transition: BN + ReLU (``norm``; identity after the stem, which has them),
+    2x2 max pool with stride 2, 1x1 conv (no bias) to the stage's width."""
+
+    def __init__(self, in_chs: int, out_chs: int, pre_norm: bool, device=None, dtype=None):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.norm = BatchNormAct2d(in_chs, **dd) if pre_norm else nn.Identity()
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv = nn.Conv2d(in_chs, out_chs, 1, bias=False, **dd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.pool(self.norm(x)))
+
+
+class Bottleneck(nn.Module):
+    """Pre-activation residual block: ``x + conv(relu(bn2(SAM(relu(bn1(x))))))``, identity
+    shortcut; the SAM reduces ``dim`` to ``dim / mid_ratio`` channels, ``conv`` (1x1, bias)
+    expands them back."""
+
+    def __init__(
+            self,
+            dim: int,
+            kernel_size: int = 7,
+            sa_type: str = 'pairwise',
+            relation: Optional[str] = None,
+            rel_ratio: int = 16,
+            mid_ratio: int = 4,
+            share_planes: int = 8,
+            padding_mode: str = 'reflect',
+            drop_path: float = 0.,
+            backend: Optional[str] = None,
+            device=None,
+            dtype=None,
+    ):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        mid = dim // mid_ratio
+        self.norm1 = BatchNormAct2d(dim, **dd)
+        self.attn = SAM(dim, dim // rel_ratio, mid, share_planes, kernel_size=kernel_size,
+                        sa_type=sa_type, relation=relation, padding_mode=padding_mode,
+                        backend=backend, **dd)
+        self.norm2 = BatchNormAct2d(mid, **dd)
+        self.conv = nn.Conv2d(mid, dim, 1, **dd)
+        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop_path(self.conv(self.norm2(self.attn(self.norm1(x)))))
+
+
+class SANStage(nn.Module):
+    """``downsample`` (a :class:`Transition`), then ``blocks``; NCHW in and out."""
+
+    def __init__(self, in_chs: int, dim: int, depth: int, pre_norm: bool,
+                 drop_path: Sequence[float], device=None, dtype=None, **block_kwargs):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.grad_checkpointing = False
+        self.downsample = Transition(in_chs, dim, pre_norm, **dd)
+        self.blocks = nn.Sequential(*[
+            Bottleneck(dim, drop_path=drop_path[j], **block_kwargs, **dd) for j in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.downsample(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return x
+
+
+def min_input_size(kernel_sizes: Sequence[int], padding_mode: str) -> int:
+    """The smallest input side every stage can run on: stage ``i`` sees ``H // 2 ** (i + 1)``
+    pixels, which reflection padding by ``(k - 1) / 2`` needs to exceed."""
+    return max((((k - 1) // 2 + 1) if padding_mode == 'reflect' else 1) * 2 ** (i + 1)
+               for i, k in enumerate(kernel_sizes))
+
+
+class SAN(nn.Module):
+    """Self-attention network (SAN10 / 15 / 19, pairwise or patchwise).
+
+    Args:
+        in_chans: input image channels.
+        num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
+        global_pool: ``'avg'`` (official), any timm ``SelectAdaptivePool2d`` type, or ``''``.
+        sa_type: ``'pairwise'`` or ``'patchwise'``.
+        depths: blocks per stage.
+        widths: channels per stage.
+        kernel_sizes: footprint per stage (int or one per stage).
+        stem_width: stem channels.
+        relation: the SAM's relation function (:mod:`attnzoo.layers.san`); ``None``: the
+            paper's (pairwise subtraction, patchwise concatenation).
+        rel_ratio: ``r1``: ``phi`` / ``psi`` have ``width / r1`` channels.
+        mid_ratio: ``r2``: ``beta`` and the aggregation have ``width / r2`` channels.
+        share_planes: channels sharing one attention weight.
+        padding_mode: ``'reflect'`` (official; inputs >= 128 px) or ``'zeros'``.
+        drop_rate: dropout before the classifier.
+        drop_path_rate: stochastic depth, linear from 0 over all blocks (official: none).
+        backend: backend of the SAN ops for every layer (``None``: follow
+            :mod:`attnzoo.backends`).
+    """
+
+    def __init__(
+            self,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = 'avg',
+            sa_type: str = 'pairwise',
+            depths: Tuple[int, ...] = (2, 1, 2, 4, 1),
+            widths: Tuple[int, ...] = (64, 256, 512, 1024, 2048),
+            kernel_sizes: Union[int, Sequence[int]] = (3, 7, 7, 7, 7),
+            stem_width: int = 64,
+            relation: Optional[str] = None,
+            rel_ratio: int = 16,
+            mid_ratio: int = 4,
+            share_planes: int = 8,
+            padding_mode: str = 'reflect',
+            drop_rate: float = 0.,
+            drop_path_rate: float = 0.,
+            backend: Optional[str] = None,
+            device=None,
+            dtype=None,
+    ):
+        dd = {"device": device, "dtype": dtype}
+        super().__init__()
+        num_stages = len(depths)
+        widths = per_stage(widths, num_stages, "widths")
+        kernel_sizes = per_stage(kernel_sizes, num_stages, "kernel_sizes")
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.drop_rate = drop_rate
+        self.output_fmt = 'NCHW'
+        self.kernel_sizes = kernel_sizes
+        self.padding_mode = padding_mode
+        self.min_size = min_input_size(kernel_sizes, padding_mode)
+
+        self.stem = Stem(in_chans, stem_width, **dd)
+        dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
+        self.feature_info = []
+        stages = []
+        in_chs = stem_width
+        for i in range(num_stages):
+            stages.append(SANStage(
+                in_chs, widths[i], depths[i], pre_norm=i > 0, drop_path=dpr[i],
+                kernel_size=kernel_sizes[i], sa_type=sa_type, relation=relation,
+                rel_ratio=rel_ratio, mid_ratio=mid_ratio, share_planes=share_planes,
+                padding_mode=padding_mode, backend=backend, **dd))
+            self.feature_info.append(
+                dict(num_chs=widths[i], reduction=2 ** (i + 1), module=f'stages.{i}'))
+            in_chs = widths[i]
+        self.stages = nn.Sequential(*stages)
+        self.num_features = in_chs
+        self.norm = BatchNormAct2d(in_chs, **dd)
+        self.head = ClassifierHead(in_chs, num_classes, pool_type=global_pool,
+                                   drop_rate=drop_rate, **dd)
+        self.head_hidden_size = in_chs * self.head.global_pool.feat_mult()
+        # Official init: PyTorch's defaults everywhere (nothing to do).
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return set()  # the official recipe decays every parameter
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r'^stem',
+            blocks=r'^stages\.(\d+)' if coarse else [
+                (r'^stages\.(\d+)\.downsample', (0,)),
+                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
+                (r'^norm', (99999,)),
+            ],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        # A new head (not ClassifierHead.reset): its input width changes when stages are pruned.
+        if global_pool is None:
+            global_pool = self.head.global_pool.pool_type
+        self.num_classes = num_classes
+        self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool,
+                                   drop_rate=self.drop_rate, **get_device_dtype(self))
+        self.head.train(self.training)
+        self.head_hidden_size = self.num_features * self.head.global_pool.feat_mult()
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Forward returning each stage's output.
+
+        Args:
+            x: input images, NCHW.
+            indices: take the last n stages if int, all if None, or these stages.
+            norm: apply the final norm (BN + ReLU) to the last stage's intermediate.
+            stop_early: stop after the last stage needed.
+            output_fmt: 'NCHW' or 'NHWC' intermediates.
+            intermediates_only: return only the intermediates.
+
+        Returns:
+            intermediates, or (final features as forward_features, intermediates).
+        """
+        assert output_fmt in ('NCHW', 'NHWC'), 'Output format must be NCHW or NHWC.'
+        intermediates = []
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        x = check_image_input(x, self.in_chans, self.min_size)
+        x = self.stem(x)
+        last_idx = len(self.stages) - 1
+        if torch.jit.is_scripting() or not stop_early:  # can't slice modules in torchscript
+            stages = self.stages
+        else:
+            stages = self.stages[:max_index + 1]
+        feat_idx = 0
+        for feat_idx, stage in enumerate(stages):
+            x = stage(x)
+            if feat_idx in take_indices:
+                x_inter = self.norm(x) if norm and feat_idx == last_idx else x
+                intermediates.append(x_inter if output_fmt == 'NCHW'
+                                     else x_inter.permute(0, 2, 3, 1))
+        if intermediates_only:
+            return intermediates
+        if feat_idx == last_idx:
+            x = self.norm(x)  # the final norm is sized for the last stage only
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the stages (and norm / head) not needed for the intermediates ``indices``."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[:max_index + 1]
+        self.min_size = min_input_size(self.kernel_sizes[:max_index + 1], self.padding_mode)
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        if prune_end:
+            self.num_features = self.feature_info[max_index]['num_chs']
+        if prune_head or prune_end:
+            self.reset_classifier(0, '')
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Final feature map after the last BN + ReLU, NCHW and unpooled."""
+        x = check_image_input(x, self.in_chans, self.min_size)
+        x = self.stem(x)
+        x = self.stages(x)
+        x = self.norm(x)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Global average pool (official), dropout, classifier."""
+        return self.head(x, pre_logits=pre_logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.forward_features(x)
+        x = self.forward_head(x)
+        return x
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoint conversion
+# --------------------------------------------------------------------------------------------
+
+# The official names (hszhao/SAN model/san.py) -> ours: (pattern, replacement) on whole keys.
+# bn{i} closes stage i in the official forward; here it opens stage i + 1's transition, and
+# the last one is the final norm (``_official_to_timm`` handles both).
+_OFFICIAL_MAP = (
+    (r'^conv_in\.', 'stem.conv.'),
+    (r'^bn_in\.', 'stem.norm.'),
+    (r'^conv(\d+)\.', r'stages.\1.downsample.conv.'),
+    (r'^layer(\d+)\.(\d+)\.bn1\.', r'stages.\1.blocks.\2.norm1.'),
+    (r'^layer(\d+)\.(\d+)\.sam\.', r'stages.\1.blocks.\2.attn.'),
+    (r'^layer(\d+)\.(\d+)\.bn2\.', r'stages.\1.blocks.\2.norm2.'),
+    (r'^layer(\d+)\.(\d+)\.conv\.', r'stages.\1.blocks.\2.conv.'),
+    (r'^fc\.', 'head.fc.'),
+)
+
+
+def _official_to_timm(state_dict: Dict[str, torch.Tensor],
+                      num_stages: int) -> Dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state_dict.items():
+        m = re.match(r'^bn(\d+)\.(.+)$', k)
+        if m:
+            i = int(m.group(1))
+            k = f'norm.{m.group(2)}' if i == num_stages - 1 else \
+                f'stages.{i + 1}.downsample.norm.{m.group(2)}'
+        else:
+            for pattern, repl in _OFFICIAL_MAP:
+                k, n = re.subn(pattern, repl, k)
+                if n:
+                    break
+        out[k] = v
+    return out
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Any], model: SAN) -> Dict[str, torch.Tensor]:
+    """Map a SAN checkpoint onto ``model``'s state dict.
+
+    Accepts ours and the official training code's (``{'epoch', 'state_dict': {'module.' + key}
+    , 'optimizer', ...}`` as ``tool/train.py`` saves it, or the bare / unprefixed state dict).
+    Raises ``ValueError`` listing every key that is missing, unexpected or of the wrong shape
+    (e.g. a pairwise checkpoint for a patchwise model); the classifier and the stem's input
+    channels are left for timm to adapt (``num_classes`` / ``in_chans``).
+    """
+    state_dict = unwrap_checkpoint(state_dict)
+    if any(k.startswith(('conv_in.', 'layer0.')) for k in state_dict):
+        state_dict = _official_to_timm(state_dict, len(model.stages))
+    return check_state_dict(state_dict, model, adaptable=('head.fc.',), first_conv='stem.conv')
+
+
+# --------------------------------------------------------------------------------------------
+# model creation, pretrained configs, registration
+# --------------------------------------------------------------------------------------------
+
+def _create_san(variant: str, pretrained: bool, model_args: Dict[str, Any], **kwargs) -> SAN:
+    kwargs = dict(model_args, **kwargs)  # the caller's kwargs override the variant's config
+    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (0,) * 5)))))
+    return build_model(
+        SAN, variant, pretrained, filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices), **kwargs)
+
+
+def _cfg(**kwargs) -> Dict[str, Any]:
+    return {
+        # No Hub weights: the official checkpoints are on Google Drive (origin_url's README).
+        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
+        # reflection padding in the last stage (7x7, pad 3) needs a 4x4 map
+        'min_input_size': (3, 128, 128),
+        'crop_pct': 0.875, 'interpolation': 'bilinear', 'fixed_input_size': False,
+        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'stem.conv', 'classifier': 'head.fc',
+        'license': 'mit',
+        'paper_ids': 'arXiv:2004.13621',
+        'paper_name': 'Exploring Self-attention for Image Recognition',
+        'origin_url': 'https://github.com/hszhao/SAN',
+        'notes': ('official ImageNet-1k weights: the Google Drive folder linked from '
+                  'https://github.com/hszhao/SAN (not on the Hugging Face Hub); load with '
+                  "pretrained_cfg_overlay=dict(file='model_best.pth')",),
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    f'san{n}_{t}.in1k': _cfg() for n in (10, 15, 19) for t in ('pairwise', 'patchwise')
+})
+
+_DEPTHS = {10: (2, 1, 2, 4, 1), 15: (3, 2, 3, 5, 2), 19: (3, 3, 4, 6, 3)}
+
+register_variants(globals(), _create_san, {
+    'san10_pairwise': ("SAN10, pairwise (subtraction) attention: 10.5M params, 2.2 GMACs @ 224 "
+                       "by the official counter, 74.9% top-1.",
+                       dict(depths=_DEPTHS[10], sa_type='pairwise')),
+    'san10_patchwise': ("SAN10, patchwise (concatenation) attention: 11.8M params, 1.9 GMACs, "
+                        "77.1% top-1.", dict(depths=_DEPTHS[10], sa_type='patchwise')),
+    'san15_pairwise': ("SAN15, pairwise attention: 14.1M params, 3.0 GMACs, 76.6% top-1.",
+                       dict(depths=_DEPTHS[15], sa_type='pairwise')),
+    'san15_patchwise': ("SAN15, patchwise attention: 16.2M params, 2.6 GMACs, 78.0% top-1.",
+                        dict(depths=_DEPTHS[15], sa_type='patchwise')),
+    'san19_pairwise': ("SAN19, pairwise attention: 17.6M params, 3.8 GMACs, 76.9% top-1.",
+                       dict(depths=_DEPTHS[19], sa_type='pairwise')),
+    'san19_patchwise': ("SAN19, patchwise attention: 20.5M params, 3.3 GMACs, 78.2% top-1.",
+                        dict(depths=_DEPTHS[19], sa_type='patchwise')),
+})

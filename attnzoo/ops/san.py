@@ -1,0 +1,419 @@
+"""SAN's local vector-attention primitives (Zhao, Jia, Koltun, CVPR 2020), with backend dispatch.
+
+Footprint: output ``(h, w)`` of a ``k x k`` footprint with dilation ``d`` and stride ``s`` taps the
+input at ``(h*s - p + kh*d, w*s - p + kw*d)``, ``p = d * (k - 1) // 2`` (per axis), tap index
+``kk = kh * k_w + kw`` (``k_w`` the footprint's width); so the centre tap reads ``(h*s, w*s)``,
+never padded, and the output map is ``ceil(H / s) x ceil(W / s)`` (``L = Ho * Wo`` positions).
+Taps outside the map are *reflected* like ``nn.ReflectionPad2d`` (``-i`` below 0, ``2(H-1) - i``
+beyond the end; the edge is not repeated), which needs ``p < H`` and ``p < W``;
+``padding_mode='zeros'`` reads zeros there instead (the official code's ``pad_mode=0``).
+
+Layouts (the official CUDA ops', which the SAM's 1x1 convs work on directly):
+
+* :func:`san_subtraction` ``x [N, C, H, W] -> [N, C, kk, L]``: ``x(centre) - x(tap)``. SAN's
+  relative position encoding.
+* :func:`san_subtraction2` ``x1, x2 [N, C, H, W] -> [N, C, kk, L]``: ``x1(centre) - x2(tap)``.
+  SAN's subtraction relation ``phi(x_i) - psi(x_j)``.
+* :func:`san_aggregation` ``x [N, C, H, W]``, ``weight [N, Cw, kk, L] -> [N, C, Ho, Wo]``:
+  ``y_c(i) = sum_j weight_{c mod Cw}(i, j) * x_c(j)``: the weights are shared *interleaved*
+  (channel ``c`` uses weight channel ``c % Cw``, not ``c // (C / Cw)``).
+
+The torch reference (any device and float dtype, differentiable) gathers the footprint with
+``F.unfold`` for the subtractions, whose outputs are ``kk``-times larger than their inputs
+anyway, and aggregates tap by tap over shifted views of the padded input, forward and (a
+hand-written autograd Function) backward, so it never builds the ``kk``-times larger unfolded
+copy of ``x``. NATTEN has no such ops; attnzoo's fused Triton kernels (the ``cuda`` backend) are
+a named slot until they land.
+
+MACs (:func:`attnzoo.profiling.count_macs`): the aggregation ``N * C * L * kk`` multiply-adds,
+the subtractions one per output element (as SAN's official counter counts them).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from .. import backends
+
+__all__ = ["san_aggregation", "san_subtraction", "san_subtraction2", "san_neighbours",
+           "PADDING_MODES"]
+
+IntOrPair = Union[int, Sequence[int]]
+PADDING_MODES = ("reflect", "zeros")
+
+
+# --------------------------------------------------------------------------------------------
+# argument checking
+# --------------------------------------------------------------------------------------------
+
+def _pair(value: IntOrPair, name: str, fn: str) -> Tuple[int, int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise TypeError(f"{fn}: {name} must be an int or a pair of ints, got {value!r}")
+
+
+def _check_map(fn: str, name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{fn}: {name} must be a 4-D NCHW map [N, C, H, W], got shape "
+                         f"{tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{fn}: {name} must be a floating-point tensor, got {t.dtype}")
+    return t
+
+
+class Footprint(NamedTuple):
+    # plain fields, no properties or methods: torch 2.4's Dynamo cannot trace those on a tuple
+    kernel_size: Tuple[int, int]
+    dilation: Tuple[int, int]
+    stride: Tuple[int, int]
+    padding_mode: str
+    padding: Tuple[int, int]   # dilation * (kernel_size - 1) // 2 per axis
+    taps: int                  # kh * kw
+
+
+def _out_size(fp: Footprint, H: int, W: int) -> Tuple[int, int]:
+    return (H - 1) // fp.stride[0] + 1, (W - 1) // fp.stride[1] + 1
+
+
+def _footprint(fn: str, x: torch.Tensor, kernel_size, dilation, stride,
+               padding_mode) -> Footprint:
+    ks = _pair(kernel_size, "kernel_size", fn)
+    dil = _pair(dilation, "dilation", fn)
+    st = _pair(stride, "stride", fn)
+    if any(k < 1 or k % 2 == 0 for k in ks):
+        raise ValueError(f"{fn}: kernel_size must be odd and >= 1 (the footprint is centred on "
+                         f"the output position), got {kernel_size!r}")
+    if min(dil) < 1:
+        raise ValueError(f"{fn}: dilation must be >= 1, got {dilation!r}")
+    if min(st) < 1:
+        raise ValueError(f"{fn}: stride must be >= 1, got {stride!r}")
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"{fn}: padding_mode must be one of {PADDING_MODES}, got "
+                         f"{padding_mode!r}")
+    fp = Footprint(ks, dil, st, padding_mode,
+                   tuple(d * (k - 1) // 2 for k, d in zip(ks, dil)), ks[0] * ks[1])
+    H, W = x.shape[-2:]
+    if padding_mode == "reflect" and (fp.padding[0] >= H or fp.padding[1] >= W):
+        raise ValueError(
+            f"{fn}: reflection padding by dilation * (kernel_size - 1) / 2 = {fp.padding} needs "
+            f"a map larger than that on both axes (at least {fp.padding[0] + 1}x"
+            f"{fp.padding[1] + 1}), got {H}x{W}; use a larger input or padding_mode='zeros'")
+    return fp
+
+
+def _same(fn: str, a: torch.Tensor, b: torch.Tensor, names: str) -> None:
+    if a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(f"{fn}: {names} must share dtype and device; got {a.dtype} on "
+                         f"{a.device} and {b.dtype} on {b.device}")
+
+
+# --------------------------------------------------------------------------------------------
+# torch reference
+# --------------------------------------------------------------------------------------------
+
+def _cpu_half_reflection() -> bool:
+    try:  # torch < 2.5 has no float16 reflection padding on CPU
+        F.pad(torch.zeros(1, 1, 2, 2, dtype=torch.float16), (1, 1, 1, 1), mode="reflect")
+        return True
+    except RuntimeError:
+        return False
+
+
+_CPU_HALF_REFLECTION = _cpu_half_reflection()
+
+
+def _reflect_in_float32(x: torch.Tensor) -> bool:
+    return (not _CPU_HALF_REFLECTION and x.dtype == torch.float16
+            and x.device.type == "cpu")
+
+
+def _pad(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    ph, pw = fp.padding
+    if fp.padding_mode != "reflect":
+        return F.pad(x, (pw, pw, ph, ph))
+    if _reflect_in_float32(x):
+        return F.pad(x.float(), (pw, pw, ph, ph), mode="reflect").to(x.dtype)
+    return F.pad(x, (pw, pw, ph, ph), mode="reflect")
+
+
+def _centre(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    """``x`` at every output position's centre tap, ``[N, C, 1, L]``."""
+    sh, sw = fp.stride
+    return x[:, :, ::sh, ::sw].reshape(x.shape[0], x.shape[1], 1, -1)
+
+
+def _neighbours(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    """Every output position's footprint of ``x``, ``[N, C, kk, L]``."""
+    cols = F.unfold(_pad(x, fp), fp.kernel_size, dilation=fp.dilation, stride=fp.stride)
+    return cols.view(x.shape[0], x.shape[1], fp.taps, -1)
+
+
+def subtraction_reference(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    return _centre(x, fp) - _neighbours(x, fp)
+
+
+def subtraction2_reference(x1: torch.Tensor, x2: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    return _centre(x1, fp) - _neighbours(x2, fp)
+
+
+def _taps(fp: Footprint, Ho: int, Wo: int):
+    """Per tap ``kk``: the slices of the padded map that tap reads for every output position."""
+    (kh_size, kw_size), (dh, dw), (sh, sw) = fp.kernel_size, fp.dilation, fp.stride
+    for kh in range(kh_size):
+        for kw in range(kw_size):
+            yield kh * kw_size + kw, (slice(kh * dh, kh * dh + (Ho - 1) * sh + 1, sh),
+                                      slice(kw * dw, kw * dw + (Wo - 1) * sw + 1, sw))
+
+
+class _Aggregation(torch.autograd.Function):
+    """Tap by tap over strided views of the padded input, forward and backward, so that neither
+    builds the ``kk``-times larger unfolded copy of ``x`` (autograd through the views would
+    allocate a full-size gradient per tap). Channel ``c = g * Cw + cw`` uses weight ``cw``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.fp = fp
+        N, C, H, W = x.shape
+        Cw = weight.shape[1]
+        Ho, Wo = _out_size(fp, H, W)
+        xp = _pad(x, fp)
+        xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
+        w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
+        out = torch.zeros(N, C // Cw, Cw, Ho, Wo, dtype=x.dtype, device=x.device)
+        for t, (rows, cols) in _taps(fp, Ho, Wo):
+            out.addcmul_(w[:, :, :, t], xp[..., rows, cols])
+        return out.view(N, C, Ho, Wo)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # differentiable ops only: double backward works
+        x, weight = ctx.saved_tensors
+        fp = ctx.fp
+        N, C, H, W = x.shape
+        Cw = weight.shape[1]
+        Ho, Wo = _out_size(fp, H, W)
+        ph, pw = fp.padding
+        go = grad_out.reshape(N, C // Cw, Cw, Ho, Wo)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:
+            xp = _pad(x, fp)
+            xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
+            grad_w = weight.new_empty(N, Cw, fp.taps, Ho, Wo)
+            for t, (rows, cols) in _taps(fp, Ho, Wo):
+                grad_w[:, :, t] = (go * xp[..., rows, cols]).sum(1)
+            grad_w = grad_w.view(weight.shape)
+        if ctx.needs_input_grad[0]:
+            w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
+            gxp = x.new_zeros(N, C // Cw, Cw, H + 2 * ph, W + 2 * pw)
+            for t, (rows, cols) in _taps(fp, Ho, Wo):
+                gxp[..., rows, cols].addcmul_(w[:, :, :, t], go)
+            gxp = gxp.view(N, C, H + 2 * ph, W + 2 * pw)
+            if fp.padding_mode == "reflect":  # fold the reflected taps back onto their sources
+                if _reflect_in_float32(x):
+                    grad_x = torch.ops.aten.reflection_pad2d_backward(
+                        gxp.float(), x.float(), [pw, pw, ph, ph]).to(x.dtype)
+                else:
+                    grad_x = torch.ops.aten.reflection_pad2d_backward(gxp, x, [pw, pw, ph, ph])
+            else:
+                grad_x = gxp[:, :, ph:ph + H, pw:pw + W]
+        return grad_x, grad_w, None
+
+
+def aggregation_reference(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    return _Aggregation.apply(x, weight, fp)
+
+
+# --------------------------------------------------------------------------------------------
+# backends: torch reference, natten (none), cuda (slot)
+# --------------------------------------------------------------------------------------------
+
+class SANCall(NamedTuple):
+    """What backend selection needs to know about a SAN op call (hashable, cached)."""
+    device: str
+    dtype: torch.dtype
+    kernel_size: Tuple[int, int]
+    dilation: Tuple[int, int]
+    stride: Tuple[int, int]
+    padding_mode: str
+    grad: bool
+
+
+def _natten_support(op: str):
+    def support(call: SANCall) -> Optional[str]:
+        return (f"NATTEN has no {op}: it implements (dot-product, softmax) neighborhood "
+                "attention only, not SAN's vector attention with reflection padding")
+    return support
+
+
+def _cuda_support(op: str):
+    def support(call: SANCall) -> Optional[str]:
+        # A named slot: the fused Triton kernels land in a later release.
+        return f"attnzoo's Triton kernels for {op} are not implemented yet"
+    return support
+
+
+def _unreachable(op: str, backend: str):
+    def impl(*args):  # pragma: no cover - the support checks refuse every call
+        raise backends.BackendUnsupportedError(f"backend {backend!r} cannot run {op}")
+    return impl
+
+
+def _auto_order(call: SANCall) -> Tuple[str, ...]:
+    return ("cuda", "torch") if call.device == "cuda" else ("torch",)
+
+
+def _subtraction_macs(x: torch.Tensor, fp: Footprint) -> int:
+    """One subtraction per output element, as SAN's official counter (util/complexity.py)."""
+    return x.shape[0] * x.shape[1] * fp.taps * _positions(x, fp)
+
+
+def _subtraction2_macs(x1: torch.Tensor, x2: torch.Tensor, fp: Footprint) -> int:
+    return _subtraction_macs(x1, fp)
+
+
+def _aggregation_macs(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> int:
+    """One multiply-accumulate per (output element, tap): ``N * C * L * kk``."""
+    return _subtraction_macs(x, fp)
+
+
+def _positions(x: torch.Tensor, fp: Footprint) -> int:
+    Ho, Wo = _out_size(fp, *x.shape[-2:])
+    return Ho * Wo
+
+
+def _examples(op: str):
+    """Calls at SAN's real shapes (batch 8 at 224 px): stage 0 (112x112, k 3, 64 channels:
+    rel 4, mid 16, Cw 2), stage 1 (56x56, k 7, 256: rel 16, mid 64, Cw 8) and stage 3 (14x14,
+    k 7, 1024: rel 64, mid 256, Cw 32)."""
+    stages = [("s0 112x112 k3", 112, 3, 64), ("s1 56x56 k7", 56, 7, 256),
+              ("s3 14x14 k7", 14, 7, 1024)]
+
+    def examples(device, dtype):
+        def new(*shape):
+            return torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+
+        out = []
+        for label, hw, k, c in stages:
+            rel, mid, taps = c // 16, c // 4, k * k
+            if op == "san_aggregation":
+                def run(backend, hw=hw, k=k, mid=mid, taps=taps):
+                    return san_aggregation(new(8, mid, hw, hw), new(8, mid // 8, taps, hw * hw),
+                                           kernel_size=k, backend=backend)
+                out.append((f"{label} 8x{mid}x{hw}x{hw} Cw {mid // 8}", run))
+            elif op == "san_subtraction2":
+                def run(backend, hw=hw, k=k, rel=rel):
+                    return san_subtraction2(new(8, rel, hw, hw), new(8, rel, hw, hw),
+                                            kernel_size=k, backend=backend)
+                out.append((f"{label} 8x{rel}x{hw}x{hw}", run))
+            else:
+                def run(backend, hw=hw, k=k):  # the position encoding: one 2-channel map
+                    return san_subtraction(new(1, 2, hw, hw), kernel_size=k, backend=backend)
+                out.append((f"{label} position 1x2x{hw}x{hw}", run))
+        return out
+    return examples
+
+
+for _name, _impl, _macs in (("san_aggregation", aggregation_reference, _aggregation_macs),
+                            ("san_subtraction", subtraction_reference, _subtraction_macs),
+                            ("san_subtraction2", subtraction2_reference, _subtraction2_macs)):
+    backends.register_op(
+        _name, key_type=SANCall, order=_auto_order, macs=_macs, examples=_examples(_name),
+        backends={"torch": backends.Backend(_impl),
+                  "natten": backends.Backend(_unreachable(_name, "natten"), _natten_support(_name)),
+                  "cuda": backends.Backend(_unreachable(_name, "cuda"), _cuda_support(_name))})
+
+
+# --------------------------------------------------------------------------------------------
+# public ops
+# --------------------------------------------------------------------------------------------
+
+def _call(x: torch.Tensor, fp: Footprint, *tensors: torch.Tensor) -> SANCall:
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x,) + tensors)
+    return SANCall(x.device.type, x.dtype, fp.kernel_size, fp.dilation, fp.stride,
+                   fp.padding_mode, grad)
+
+
+def san_subtraction(x: torch.Tensor, *, kernel_size: IntOrPair, dilation: IntOrPair = 1,
+                    stride: IntOrPair = 1, padding_mode: str = "reflect",
+                    backend: Optional[str] = None) -> torch.Tensor:
+    """``out[n, c, kk, i] = x[n, c, centre(i)] - x[n, c, tap_kk(i)]`` (module docstring).
+
+    Args:
+        x: ``[N, C, H, W]``.
+        kernel_size: odd footprint size (int or ``(kh, kw)``).
+        dilation, stride: int or pair.
+        padding_mode: ``'reflect'`` (SAN's; needs ``H, W > dilation * (kernel_size - 1) / 2``)
+            or ``'zeros'``.
+        backend: ``"torch" | "natten" | "cuda" | "auto"``; ``None`` follows
+            :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
+
+    Returns:
+        ``[N, C, kh*kw, Ho*Wo]``, ``Ho, Wo = ceil(H / stride), ceil(W / stride)``.
+    """
+    fn = "san_subtraction"
+    fp = _footprint(fn, _check_map(fn, "x", x), kernel_size, dilation, stride, padding_mode)
+    return backends.dispatch(fn, _call(x, fp), backend, x, fp)
+
+
+def san_subtraction2(x1: torch.Tensor, x2: torch.Tensor, *, kernel_size: IntOrPair,
+                     dilation: IntOrPair = 1, stride: IntOrPair = 1,
+                     padding_mode: str = "reflect",
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """``out[n, c, kk, i] = x1[n, c, centre(i)] - x2[n, c, tap_kk(i)]``; ``x1`` and ``x2`` are
+    ``[N, C, H, W]`` of one shape. Arguments and result as :func:`san_subtraction`."""
+    fn = "san_subtraction2"
+    _check_map(fn, "x1", x1)
+    _check_map(fn, "x2", x2)
+    if x1.shape != x2.shape:
+        raise ValueError(f"{fn}: x1 and x2 must have the same shape, got {tuple(x1.shape)} and "
+                         f"{tuple(x2.shape)}")
+    _same(fn, x1, x2, "x1 and x2")
+    fp = _footprint(fn, x1, kernel_size, dilation, stride, padding_mode)
+    return backends.dispatch(fn, _call(x1, fp, x2), backend, x1, x2, fp)
+
+
+def san_aggregation(x: torch.Tensor, weight: torch.Tensor, *, kernel_size: IntOrPair,
+                    dilation: IntOrPair = 1, stride: IntOrPair = 1,
+                    padding_mode: str = "reflect",
+                    backend: Optional[str] = None) -> torch.Tensor:
+    """``y[n, c, i] = sum_kk weight[n, c % Cw, kk, i] * x[n, c, tap_kk(i)]``.
+
+    Args:
+        x: the values, ``[N, C, H, W]``.
+        weight: ``[N, Cw, kh*kw, Ho*Wo]``; ``C`` must be a multiple of ``Cw`` (channel ``c``
+            uses weight channel ``c % Cw``).
+        kernel_size, dilation, stride, padding_mode, backend: as :func:`san_subtraction`.
+
+    Returns:
+        ``[N, C, Ho, Wo]``.
+    """
+    fn = "san_aggregation"
+    _check_map(fn, "x", x)
+    _check_map(fn, "weight", weight)
+    _same(fn, x, weight, "x and weight")
+    fp = _footprint(fn, x, kernel_size, dilation, stride, padding_mode)
+    N, C = x.shape[:2]
+    Ho, Wo = _out_size(fp, *x.shape[-2:])
+    Cw = weight.shape[1]
+    if weight.shape[0] != N or weight.shape[2:] != (fp.taps, Ho * Wo) or Cw < 1 or C % Cw:
+        raise ValueError(
+            f"{fn}: weight must be [N, Cw, kh*kw, Ho*Wo] = [{N}, Cw, {fp.taps}, {Ho * Wo}] with "
+            f"C = {C} a multiple of Cw; got {tuple(weight.shape)}")
+    return backends.dispatch(fn, _call(x, fp, weight), backend, x, weight, fp)
+
+
+def san_neighbours(x: torch.Tensor, *, kernel_size: IntOrPair, dilation: IntOrPair = 1,
+                   stride: IntOrPair = 1, padding_mode: str = "reflect") -> torch.Tensor:
+    """``out[n, c, kk, i] = x[n, c, tap_kk(i)]``, ``[N, C, kh*kw, Ho*Wo]``: the footprint gather
+    the patchwise SAM and the non-subtraction relations need (plain PyTorch, no backends: a
+    gather computes nothing)."""
+    fn = "san_neighbours"
+    fp = _footprint(fn, _check_map(fn, "x", x), kernel_size, dilation, stride, padding_mode)
+    return _neighbours(x, fp)

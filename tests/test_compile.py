@@ -1,0 +1,81 @@
+"""torch.compile on every torch the package admits (CI runs this file on the floor torch too).
+
+The checks use the ``aot_eager`` backend: Dynamo's graph capture and AOT autograd, which is where
+NAT used to break (the backend switch, the NA index plans, recompiles per block), without
+inductor's C++ code generation, which takes minutes per model on a 2-core CPU. Inductor itself was
+run by hand on each torch version (see the README)."""
+import pytest
+import torch
+import torch._dynamo
+
+import attnzoo
+from attnzoo.models.nat import NAT
+
+TINY = dict(embed_dim=16, depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4), mlp_ratio=2.,
+            kernel_size=3, dilations=((2,), (1, 2), (2,), (1,)), num_classes=5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _tiny(**kwargs):
+    torch.manual_seed(0)
+    return NAT(**dict(TINY, **kwargs))
+
+
+def test_fullgraph_two_batch_sizes_matches_eager():
+    model = _tiny(drop_path_rate=0.).train()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for batch in (2, 3):  # the second batch size recompiles with a dynamic batch dim
+        x = torch.randn(batch, 3, 40, 40)  # small stages: the padding path is compiled too
+        out_ref = model(x)
+        grads_ref = torch.autograd.grad(out_ref.square().sum(), list(model.parameters()))
+        out = compiled(x)
+        grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fullgraph_autocast_bf16_with_drop_path():
+    model = _tiny(drop_path_rate=0.2).train()  # per-block drop-path rates: no recompiles
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(torch.randn(2, 3, 40, 40))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_default_compile_has_no_graph_break():
+    model = _tiny().eval()
+    explanation = torch._dynamo.explain(model)(torch.randn(1, 3, 40, 40))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_unsupported_backend_raises_its_own_error_under_compile():
+    model = _tiny(backend="cuda").eval()  # the layers ask for cuda explicitly; CPU input
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.raises(attnzoo.BackendUnsupportedError, match="cannot run na2d"):
+        compiled(torch.randn(1, 3, 40, 40))
+
+
+def test_backend_switch_after_compiling_recompiles():
+    model = _tiny().eval()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(1, 3, 40, 40)
+    with torch.no_grad():
+        expected = compiled(x)
+        with attnzoo.use_backend("torch"):  # a guard on the switch: a new graph, same result
+            torch.testing.assert_close(compiled(x), expected)
+        # fullgraph: Dynamo reports the raise as unsupported; torch >= 2.6 includes our message,
+        # torch 2.4-2.5 show the raise of BackendUnsupportedError in the user-code trace
+        with attnzoo.use_backend("cuda"), pytest.raises(
+                Exception, match="backend 'cuda' cannot run|BackendUnsupportedError"):
+            compiled(x)
+        torch.testing.assert_close(compiled(x), expected)

@@ -1,0 +1,75 @@
+"""The model policy (attnzoo/models/__init__.py), checked on the smallest model of every family:
+a new family is held to it without writing these tests again."""
+import pytest
+import timm
+import torch
+
+import attnzoo
+from timm_suite.families import family, smallest_per_family
+
+SMALLEST = sorted(smallest_per_family().values())
+SPATIAL = [m for m in SMALLEST if not family(m).token_output]
+
+
+def _input(model, batch=2):
+    size = model.pretrained_cfg.get("min_input_size") or (3, 64, 64)
+    return torch.randn(batch, *size)
+
+
+@pytest.mark.parametrize("name", SPATIAL)
+def test_module_tree_in_timm_layout(name):
+    model = timm.create_model(name, device="meta")
+    children = [n for n, _ in model.named_children()]
+    assert children[0] == "stem" and children[1] == "stages" and children[-1] == "head", children
+    assert "norm" in children
+    assert isinstance(model.head, (timm.layers.ClassifierHead, timm.layers.NormMlpClassifierHead))
+    assert model.get_classifier() is model.head.fc
+    assert [f["module"] for f in model.feature_info] == [
+        f"stages.{i}" for i in range(len(model.stages))]
+    assert model.pretrained_cfg["first_conv"].startswith("stem.")
+    assert model.pretrained_cfg["classifier"] == "head.fc"
+    assert model.output_fmt == "NCHW"
+
+
+@pytest.mark.parametrize("name", SPATIAL)
+def test_every_feature_cls_returns_the_stage_outputs(name, tmp_path):
+    torch.manual_seed(0)
+    source = timm.create_model(name).eval()
+    path = tmp_path / "weights.pth"
+    torch.save(source.state_dict(), path)
+    x = _input(source)
+    with torch.no_grad():
+        expected = source.forward_intermediates(x, intermediates_only=True)
+    for feature_cls in (None, "getter", "hook", "fx"):
+        kwargs = {} if feature_cls is None else dict(feature_cls=feature_cls)
+        model = timm.create_model(name, features_only=True, pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=str(path)), **kwargs).eval()
+        with torch.no_grad():
+            outs = model(x)
+        assert len(outs) == len(expected), feature_cls
+        for o, e, chs, red in zip(outs, expected, model.feature_info.channels(),
+                                  model.feature_info.reduction()):
+            assert o.shape == e.shape and o.shape[1] == chs, feature_cls
+            assert o.shape[-1] == -(-x.shape[-1] // red), (feature_cls, red)
+            torch.testing.assert_close(o, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", SMALLEST)
+def test_pretrained_tags_are_honest(name):
+    """A tag loads downloadable weights or says how to get the official ones: never random."""
+    for tag in timm.list_models(name, include_tags=True):
+        cfg = timm.get_pretrained_cfg(tag)
+        if cfg.hf_hub_id or cfg.url or cfg.file:
+            continue
+        with pytest.raises(ValueError, match="attnzoo convert"):
+            timm.create_model(tag, pretrained=True, device="meta")
+
+
+@pytest.mark.parametrize("name", SMALLEST)
+def test_bad_input_is_a_clear_error(name):
+    model = timm.create_model(name).eval()
+    x = _input(model, batch=1)
+    with pytest.raises(ValueError, match="channels|in_chans"):
+        model(x[:, :1])
+    with pytest.raises(TypeError):
+        timm.create_model(name, device="meta", not_a_model_arg=1)

@@ -1,0 +1,333 @@
+"""Tests of SAN's ops (attnzoo.ops.san): aggregation, subtraction, subtraction2.
+
+The oracle is an independent brute force written from the spec (shared/specs/san.md) and the
+official CUDA kernels' index arithmetic: Python loops over every output position (ho, wo) and
+tap (kh, kw), reading input row ``ho*s - p + kh*d`` (``p = d*(k-1)/2``), reflected by hand
+(``-i`` below 0, ``2(H-1) - i`` past the end) or read as zero, in float64. Nothing from
+attnzoo.ops.san is reused.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo import backends
+from attnzoo.backends import BackendUnsupportedError
+from attnzoo.ops import san_aggregation, san_neighbours, san_subtraction, san_subtraction2
+from attnzoo.profiling import count_macs
+from oracles import reflect
+
+
+@pytest.fixture(autouse=True)
+def _clean_backend_state(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    backends.set_backend(None)
+    backends._resolve.cache_clear()
+    yield
+    backends.set_backend(None)
+    backends._resolve.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------
+# the independent brute force
+# --------------------------------------------------------------------------------------------
+
+def taps(H, W, k, d, s):
+    """For every output (ho, wo): the list of input (row, col) of its taps, row-major over
+    (kh, kw), unreflected; and the output size."""
+    kh_, kw_ = k
+    dh, dw = d
+    sh, sw = s
+    ph, pw = dh * (kh_ - 1) // 2, dw * (kw_ - 1) // 2
+    Ho, Wo = -(-H // sh), -(-W // sw)
+    table = {}
+    for ho in range(Ho):
+        for wo in range(Wo):
+            table[ho, wo] = [(ho * sh - ph + a * dh, wo * sw - pw + b * dw)
+                             for a in range(kh_) for b in range(kw_)]
+    return table, Ho, Wo
+
+
+def read(x, r, c, mode):
+    """x[:, :, r, c] with the spec's padding: ``[N, C]``."""
+    H, W = x.shape[-2:]
+    if mode == "zeros":
+        if 0 <= r < H and 0 <= c < W:
+            return x[:, :, r, c]
+        return torch.zeros_like(x[:, :, 0, 0])
+    return x[:, :, reflect(r, H), reflect(c, W)]
+
+
+def brute_subtraction2(x1, x2, k, d, s, mode):
+    """out[n, c, t, ho*Wo + wo] = x1[n, c, ho*s, wo*s] - x2(tap t)."""
+    H, W = x1.shape[-2:]
+    table, Ho, Wo = taps(H, W, k, d, s)
+    cols = []
+    for ho in range(Ho):
+        for wo in range(Wo):
+            centre = x1[:, :, ho * s[0], wo * s[1]]
+            cols.append(torch.stack([centre - read(x2, r, c, mode) for r, c in table[ho, wo]], 2))
+    return torch.stack(cols, 3)
+
+
+def brute_aggregation(x, w, k, d, s, mode):
+    """out[n, c, ho, wo] = sum_t w[n, c % Cw, t, ho*Wo + wo] * x(tap t)."""
+    N, C, H, W = x.shape
+    Cw = w.shape[1]
+    table, Ho, Wo = taps(H, W, k, d, s)
+    wc = w[:, [c % Cw for c in range(C)]]          # [N, C, kk, L]: interleaved sharing
+    out = []
+    for ho in range(Ho):
+        for wo in range(Wo):
+            i = ho * Wo + wo
+            out.append(sum(wc[:, :, t, i] * read(x, r, c, mode)
+                           for t, (r, c) in enumerate(table[ho, wo])))
+    return torch.stack(out, 2).view(N, C, Ho, Wo)
+
+
+def test_reflection_by_hand():
+    """Guard the oracle itself (oracles.reflect): ReflectionPad2d's indices, and one worked
+    aggregation."""
+    assert [reflect(i, 5) for i in range(-3, 8)] == [3, 2, 1, 0, 1, 2, 3, 4, 3, 2, 1]
+    ref = torch.nn.ReflectionPad2d(2)(torch.arange(20.).view(1, 1, 4, 5))
+    assert all(ref[0, 0, r + 2, c + 2] == 5 * reflect(r, 4) + reflect(c, 5)
+               for r in range(-2, 6) for c in range(-2, 7))
+    # a 1x3 map, a 1x3 footprint with tap weights 1, 2, 3 everywhere: the outer taps reflect
+    x = torch.tensor([[[[1., 10., 100.]]]], dtype=torch.float64)
+    w = torch.tensor([1., 2., 3.], dtype=torch.float64).view(1, 1, 3, 1).expand(1, 1, 3, 3)
+    out = brute_aggregation(x, w, (1, 3), (1, 1), (1, 1), "reflect")
+    assert out.flatten().tolist() == [1 * 10 + 2 * 1 + 3 * 10, 1 * 1 + 2 * 10 + 3 * 100,
+                                      1 * 10 + 2 * 100 + 3 * 10]
+
+
+# --------------------------------------------------------------------------------------------
+# torch reference vs brute force, float64, forward and backward
+# --------------------------------------------------------------------------------------------
+
+def _pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def grads_of(out, inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    return torch.autograd.grad((out * w).sum(), inputs)
+
+
+# (N, C, Cw, H, W), kernel, dilation, stride, padding mode: k 3/5/7, dilation 1/2, stride 1/2,
+# odd and non-square maps, maps just large enough for a single reflection (H = p + 1).
+CASES = [
+    pytest.param((2, 4, 2, 7, 9), 3, 1, 1, "reflect", id="k3d1s1-7x9"),
+    pytest.param((1, 6, 3, 9, 8), 3, 2, 2, "reflect", id="k3d2s2-9x8"),
+    pytest.param((2, 4, 2, 8, 5), 5, 1, 2, "reflect", id="k5d1s2-8x5"),
+    pytest.param((1, 4, 1, 7, 9), 5, 2, 1, "reflect", id="k5d2s1-7x9"),
+    pytest.param((1, 8, 4, 4, 7), 7, 1, 1, "reflect", id="k7d1s1-4x7-minimal"),
+    pytest.param((1, 4, 2, 11, 9), 7, 1, 2, "reflect", id="k7d1s2-11x9"),
+    pytest.param((1, 2, 2, 7, 8), 7, 2, 1, "reflect", id="k7d2s1-7x8-minimal"),
+    pytest.param((1, 4, 2, 9, 13), 7, 2, 2, "reflect", id="k7d2s2-9x13"),
+    pytest.param((1, 4, 2, 5, 8), (3, 5), (2, 1), (1, 2), "reflect", id="k(3,5)d(2,1)s(1,2)"),
+    pytest.param((2, 4, 2, 5, 6), 7, 1, 1, "zeros", id="k7-zeros-5x6"),
+    pytest.param((1, 6, 2, 3, 7), 5, 2, 2, "zeros", id="k5d2s2-zeros-3x7"),
+]
+
+
+@pytest.mark.parametrize("shape,k,d,s,mode", CASES)
+def test_subtractions_match_brute_force(shape, k, d, s, mode):
+    N, C, _, H, W = shape
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randn(N, C, H, W, generator=g, dtype=torch.float64, requires_grad=True)
+    x2 = torch.randn(N, C, H, W, generator=g, dtype=torch.float64, requires_grad=True)
+    k, d, s = _pair(k), _pair(d), _pair(s)
+    kw = dict(kernel_size=k, dilation=d, stride=s, padding_mode=mode, backend="torch")
+
+    out = san_subtraction2(x1, x2, **kw)
+    expected = brute_subtraction2(x1, x2, k, d, s, mode)
+    assert out.shape == expected.shape == (N, C, k[0] * k[1], -(-H // s[0]) * -(-W // s[1]))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for got, exp in zip(grads_of(out, [x1, x2]), grads_of(expected, [x1, x2])):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
+
+    out = san_subtraction(x2, **kw)
+    expected = brute_subtraction2(x2, x2, k, d, s, mode)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(grads_of(out, [x2])[0], grads_of(expected, [x2])[0],
+                               rtol=1e-12, atol=1e-12)
+    # the plain footprint gather: x2 at every tap
+    torch.testing.assert_close(san_neighbours(x2, **{a: b for a, b in kw.items()
+                                                     if a != "backend"}),
+                               brute_subtraction2(torch.zeros_like(x2), x2, k, d, s, mode).neg())
+
+
+@pytest.mark.parametrize("shape,k,d,s,mode", CASES)
+def test_aggregation_matches_brute_force(shape, k, d, s, mode):
+    N, C, Cw, H, W = shape
+    k, d, s = _pair(k), _pair(d), _pair(s)
+    L = -(-H // s[0]) * -(-W // s[1])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, C, H, W, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(N, Cw, k[0] * k[1], L, generator=g, dtype=torch.float64, requires_grad=True)
+    out = san_aggregation(x, w, kernel_size=k, dilation=d, stride=s, padding_mode=mode,
+                          backend="torch")
+    expected = brute_aggregation(x, w, k, d, s, mode)
+    assert out.shape == expected.shape == (N, C, -(-H // s[0]), -(-W // s[1]))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for name, got, exp in zip("xw", grads_of(out, [x, w]), grads_of(expected, [x, w])):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12,
+                                   msg=lambda m: f"grad {name}: {m}")
+
+
+def test_aggregation_shares_weights_interleaved():
+    """Channel c uses weight channel c % Cw: a weight set only on weight channel 1 moves
+    channels 1, 3, 5 (not 2, 3 as blocks of C / Cw would)."""
+    x = torch.randn(1, 6, 5, 5, dtype=torch.float64)
+    w = torch.zeros(1, 2, 9, 25, dtype=torch.float64)
+    w[:, 1, 4] = 1.  # the centre tap of weight channel 1
+    out = san_aggregation(x, w, kernel_size=3)
+    torch.testing.assert_close(out[:, 1::2], x[:, 1::2], rtol=0, atol=0)
+    assert out[:, 0::2].abs().max() == 0
+
+
+def test_gradcheck_tiny():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 4, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 2, 9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, w: san_aggregation(x, w, kernel_size=3, stride=2, dilation=(1, 2)), (x, w),
+        fast_mode=True)
+    assert torch.autograd.gradcheck(lambda x: san_subtraction(x, kernel_size=3, dilation=2), (x,),
+                                    fast_mode=True)
+    # the aggregation's hand-written backward is made of differentiable ops: double backward
+    assert torch.autograd.gradgradcheck(
+        lambda x, w: san_aggregation(x, w, kernel_size=3, stride=2, dilation=(1, 2)), (x, w),
+        fast_mode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_low_precision_vs_float64(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 8, 9, 10, generator=g, dtype=torch.float64)
+    w = torch.randn(2, 2, 49, 90, generator=g, dtype=torch.float64).softmax(2)
+    tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}[dtype]
+    out = san_aggregation(x.to(dtype), w.to(dtype), kernel_size=7)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), san_aggregation(x, w, kernel_size=7),
+                               rtol=tol, atol=tol)
+    out = san_subtraction2(x.to(dtype), x.flip(1).to(dtype), kernel_size=5, stride=2)
+    torch.testing.assert_close(out.double(), san_subtraction2(x, x.flip(1), kernel_size=5,
+                                                              stride=2), rtol=tol, atol=tol)
+
+
+def test_meta_device_shapes():
+    x = torch.empty(2, 16, 14, 15, device="meta")
+    w = torch.empty(2, 4, 49, 14 * 15, device="meta")
+    assert san_aggregation(x, w, kernel_size=7).shape == (2, 16, 14, 15)
+    assert san_subtraction(x, kernel_size=7, stride=2).shape == (2, 16, 49, 7 * 8)
+
+
+# --------------------------------------------------------------------------------------------
+# backends, MAC formulas, clear errors
+# --------------------------------------------------------------------------------------------
+
+OPS = ("san_aggregation", "san_subtraction", "san_subtraction2")
+
+
+def _calls(**kw):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 8, 8, generator=g)
+    w = torch.randn(1, 2, 9, 64, generator=g)
+    return {"san_aggregation": lambda: san_aggregation(x, w, kernel_size=3, **kw),
+            "san_subtraction": lambda: san_subtraction(x, kernel_size=3, **kw),
+            "san_subtraction2": lambda: san_subtraction2(x, x, kernel_size=3, **kw)}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_backends(op):
+    assert set(backends._OPS[op].backends) == {"torch", "natten", "cuda"}
+    call = _calls()[op]
+    torch.testing.assert_close(call(), _calls(backend="torch")[op]())  # auto -> torch on CPU
+    with pytest.raises(BackendUnsupportedError, match="NATTEN has no") as info:
+        _calls(backend="natten")[op]()
+    assert "'torch'" in str(info.value)
+    with attnzoo.use_backend("natten"), pytest.raises(BackendUnsupportedError):
+        call()
+    with pytest.raises(BackendUnsupportedError, match="not implemented yet"):
+        _calls(backend="cuda")[op]()
+    # auto never picks natten (nor the cuda slot), on any device
+    key = backends._OPS[op].key_type("cuda", torch.float16, (7, 7), (1, 1), (1, 1), "reflect",
+                                     True)
+    assert backends.resolve(op, key) == "torch"
+    assert backends.supported_backends(op, key) == ("torch",)
+
+
+def test_benchmark_examples_registered():
+    for op in OPS:
+        examples = backends.op_examples(op, torch.device("meta"), torch.float32)
+        assert len(examples) == 3 and all(callable(run) for _, run in examples)
+        label, run = examples[1]
+        assert "56x56 k7" in label
+        out = run("torch")  # on meta: shapes only
+        assert out.shape[0] in (1, 8) and out.requires_grad
+
+
+def test_mac_formulas():
+    class Ops(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):  # x: [N, C, H, W]
+            N, C, H, W = x.shape
+            w = x.new_ones(N, 2, 25, ((H - 1) // 2 + 1) * ((W - 1) // 2 + 1))
+            y = san_aggregation(x * self.p, w, kernel_size=5, stride=2)
+            return y, san_subtraction(x, kernel_size=3), san_subtraction2(x, x, kernel_size=7)
+
+    N, C, H, W = 2, 6, 9, 8
+    # aggregation: N*C*L*kk multiply-adds; subtractions: one per output element (as SAN's
+    # official counter). FlopCounterMode sees none of them.
+    expected = N * C * 5 * 4 * 25 + N * C * 9 * H * W + N * C * 49 * H * W
+    assert count_macs(Ops(), (N, C, H, W)) == expected
+
+
+def test_errors():
+    x = torch.randn(1, 4, 8, 8)
+    w = torch.randn(1, 2, 9, 64)
+    with pytest.raises(ValueError, match="odd"):
+        san_aggregation(x, w, kernel_size=4)
+    with pytest.raises(TypeError, match="kernel_size"):
+        san_subtraction(x, kernel_size=3.0)
+    with pytest.raises(ValueError, match="dilation"):
+        san_subtraction(x, kernel_size=3, dilation=0)
+    with pytest.raises(ValueError, match="stride"):
+        san_subtraction(x, kernel_size=3, stride=0)
+    with pytest.raises(ValueError, match="padding_mode"):
+        san_subtraction(x, kernel_size=3, padding_mode="circular")
+    with pytest.raises(ValueError, match="4-D"):
+        san_subtraction(x[0], kernel_size=3)
+    with pytest.raises(TypeError, match="floating"):
+        san_subtraction(x.long(), kernel_size=3)
+    with pytest.raises(ValueError, match="multiple of Cw"):
+        san_aggregation(torch.randn(1, 5, 8, 8), w, kernel_size=3)
+    with pytest.raises(ValueError, match=r"\[1, Cw, 25, 64\]"):
+        san_aggregation(x, w, kernel_size=5)
+    with pytest.raises(ValueError, match="dtype"):
+        san_aggregation(x, w.double(), kernel_size=3)
+    with pytest.raises(ValueError, match="same shape"):
+        san_subtraction2(x, x[:, :2], kernel_size=3)
+    with pytest.raises(ValueError, match="unknown backend"):
+        san_subtraction(x, kernel_size=3, backend="bogus")
+
+
+def test_reflection_needs_map_larger_than_padding():
+    """One reflection covers a pad of at most H - 1 (the official op read out of bounds);
+    zero padding has no such limit."""
+    ok = torch.randn(1, 2, 4, 4)
+    assert san_subtraction(ok, kernel_size=7).shape == (1, 2, 49, 16)
+    with pytest.raises(ValueError, match=r"\(3, 3\).*at least 4x4.*got 3x9"):
+        san_subtraction(torch.randn(1, 2, 3, 9), kernel_size=7)
+    with pytest.raises(ValueError, match="at least 7x7"):
+        san_aggregation(torch.randn(1, 2, 9, 6), torch.randn(1, 1, 49, 54), kernel_size=7,
+                        dilation=2)
+    assert san_subtraction(torch.randn(1, 2, 3, 2), kernel_size=7, padding_mode="zeros").shape \
+        == (1, 2, 49, 6)
