@@ -668,3 +668,95 @@ def test_na_quest_key_scale_invariance_and_errors():
     dinat = _meta('dinat_mini', attn_norm='quest')
     assert all(m.attn_norm == 'quest' for m in dinat.modules()
                if isinstance(m, NeighborhoodAttention2d))
+
+
+# ----------------------------------------------------------------------------------------------
+# QUEST on QnA-ViT's window self-attention (LSA) blocks
+# ----------------------------------------------------------------------------------------------
+
+def _lsa_quest_bruteforce(attn, x, window):
+    """Per window of ``window`` (the map a multiple of it, or one global window), per head and
+    query: logits q . k/|k| (scale 1) + Swin relative bias, a manual softmax, float64."""
+    B, H, W, C = x.shape
+    heads, D = attn.num_heads, C // attn.num_heads
+    w = attn.window_size
+    q, k, v = (x.double() @ attn.qkv.weight.double().T).unflatten(-1, (3, heads, D)).unbind(3)
+    k = k / k.norm(dim=-1, keepdim=True)
+    table = attn.relative_position_bias_table.double()
+    out = torch.zeros(B, H, W, heads, D, dtype=torch.float64)
+    wh, ww = min(window, H), min(window, W)
+    for y in range(H):
+        for xx in range(W):
+            y0, x0 = y // wh * wh, xx // ww * ww
+            keys = [(a, b) for a in range(y0, y0 + wh) for b in range(x0, x0 + ww)]
+            bias = torch.stack([table[(y - a + w - 1) * (2 * w - 1) + (xx - b + w - 1)]
+                                for a, b in keys])                                # [n, heads]
+            K = torch.stack([k[:, a, b] for a, b in keys], 1)                     # [B, n, h, D]
+            V = torch.stack([v[:, a, b] for a, b in keys], 1)
+            logits = torch.einsum('bhd,bnhd->bhn', q[:, y, xx], K) + bias.T
+            out[:, y, xx] = torch.einsum('bhn,bnhd->bhd', _softmax(logits), V)
+    return out.flatten(-2) @ attn.proj.weight.double().T
+
+
+@pytest.mark.parametrize('hw, window', [((8, 8), 4), ((5, 3), 7)], ids=['2x2-windows', 'global'])
+def test_lsa_quest_matches_bruteforce(hw, window):
+    from attnzoo.layers import LocalSelfAttention
+    torch.manual_seed(0)
+    attn = LocalSelfAttention(DIM, HEADS, window_size=window, attn_norm='quest')
+    with torch.no_grad():
+        attn.qkv.weight.normal_(0, 3.)     # keys far from unit norm: the normalisation matters
+        attn.relative_position_bias_table.normal_()
+    x = torch.randn(2, *hw, DIM, dtype=torch.float64)
+    out = attn.double()(x)
+    ref = _lsa_quest_bruteforce(attn, x, window)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    g = torch.randn_like(out)
+    params = [attn.qkv.weight, attn.relative_position_bias_table]
+    for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    attn.attn_norm = 'none'  # the same weights with the scaled dot product differ
+    with torch.no_grad():
+        assert (attn(x) - out).abs().max() > 1e-3
+
+
+def test_qna_vit_quest_option():
+    model = timm.create_model('qna_vit_tiny', device='meta', attn_norm='quest')
+    from attnzoo.layers import LocalSelfAttention, QnA
+    lsa = [m for m in model.modules() if isinstance(m, LocalSelfAttention)]
+    assert len(lsa) == 6 and all(m.attn_norm == 'quest' for m in lsa)
+    assert any(isinstance(m, QnA) for m in model.modules())  # QnA layers keep their attention
+    plain = timm.create_model('qna_vit_tiny', device='meta')
+    assert {k: v.shape for k, v in model.state_dict().items()} == \
+        {k: v.shape for k, v in plain.state_dict().items()}   # same weights load into either
+    with pytest.raises(ValueError, match="attn_norm must be one of 'none', 'quest'"):
+        timm.create_model('qna_vit_tiny', device='meta', attn_norm='qknorm')
+
+
+def test_nat_quest_on_the_cuda_backend():
+    """The cuda backend (Triton; interpreted on CPU) runs QUEST's normalised keys and scale 1
+    as the torch reference does, forward and backward."""
+    from attnzoo import kernels
+    if kernels.triton_missing():
+        pytest.skip(kernels.triton_missing())
+    if not torch.cuda.is_available():
+        from attnzoo.kernels import neighborhood as kn
+        if not kn.INTERPRETED:
+            pytest.skip("the kernels were compiled for a GPU and there is none")
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    torch.manual_seed(0)
+    attn = NeighborhoodAttention2d(16, 2, kernel_size=3, attn_norm='quest').to(device)
+    with torch.no_grad():
+        attn.qkv.weight.mul_(20)
+        attn.rpb.normal_()
+    x = torch.randn(1, 5, 6, 16, device=device)
+    outs, grads = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv('TRITON_INTERPRET', '1')
+        for backend in ('torch', 'cuda'):
+            with attnzoo.use_backend(backend):
+                out = attn(x)
+            outs.append(out)
+            grads.append(torch.autograd.grad(out.square().sum(), [attn.qkv.weight, attn.rpb]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

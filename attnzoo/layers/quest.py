@@ -52,10 +52,11 @@ _QKNORM_MAX = math.log(100.)
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """``x`` L2-normalised over its last dim (the head dim), in ``x``'s dtype.
 
-    The norm is computed in float32 even under autocast (bf16/fp16 sums of squares lose the
-    precision the unit vectors need). The paper gives no epsilon; an all-zero vector stays zero
-    (``F.normalize``'s 1e-12 floor), so it contributes a zero logit instead of NaN."""
-    return F.normalize(x.float(), dim=-1).to(x.dtype)
+    The norm is computed in float32 at least, also under autocast (bf16/fp16 sums of squares
+    lose the precision the unit vectors need); float64 stays float64. The paper gives no
+    epsilon; an all-zero vector stays zero (``F.normalize``'s 1e-12 floor), so it contributes a
+    zero logit instead of NaN."""
+    return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1).to(x.dtype)
 
 
 def check_attn_norm(attn_norm: str) -> str:

@@ -32,16 +32,18 @@ keep timm's default of 0 like their counterparts; set it with ``drop_path_rate``
 ``--drop-path`` for training.
 """
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
+import torch
 import timm
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import generate_default_cfgs
+from timm.layers import PatchEmbed
+from timm.models import generate_default_cfgs, register_notrace_function
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from ..layers.quest import FORMULATIONS, attn_layer_for
-from ._helpers import build_model, check_state_dict, unwrap_checkpoint
+from ._helpers import build_model, check_image_input, check_state_dict, unwrap_checkpoint
 from ._registry import register_model
 
 __all__ = ["checkpoint_filter_fn", "from_timm_weights", "TIMM_COUNTERPARTS"]
@@ -100,18 +102,56 @@ def _no_weights_hint(variant: str) -> str:
             "pretrained_cfg_overlay=dict(file=CHECKPOINT)).")
 
 
+@register_notrace_function
+def check_patch_input(x: torch.Tensor, in_chans: int, img_size: Optional[Tuple[int, int]],
+                      patch_size: Tuple[int, int], strict_img_size: bool,
+                      dynamic_img_pad: bool) -> torch.Tensor:
+    """The model policy's input check for a ViT: ``ValueError`` (where timm's ``PatchEmbed``
+    asserts or its conv fails) for wrong channels, an image smaller than a patch, a size other
+    than the one a fixed-size model was built for, or one that is no multiple of the patch."""
+    x = check_image_input(x, in_chans, min(patch_size))
+    H, W = x.shape[2], x.shape[3]
+    if img_size is not None and strict_img_size and (H != img_size[0] or W != img_size[1]):
+        raise ValueError(f"the model was built for img_size={img_size[0]}x{img_size[1]}, got "
+                         f"{H}x{W}; create it with img_size=({H}, {W}) (the position embedding "
+                         "is resampled on loading) or dynamic_img_size=True")
+    if not dynamic_img_pad and (H % patch_size[0] != 0 or W % patch_size[1] != 0):
+        raise ValueError(f"input height and width must be multiples of the patch size "
+                         f"{patch_size[0]}x{patch_size[1]}, got {H}x{W}; or create the model "
+                         "with dynamic_img_pad=True")
+    return x
+
+
+# A leaf for any FX tracer: the hook below calls it from outside the traced ViT's module, where
+# timm's autowrap list does not reach.
+torch.fx.wrap('check_patch_input')
+
+
+def _check_input(patch_embed: PatchEmbed, args: Tuple[torch.Tensor]) -> None:
+    # A forward pre-hook on patch_embed: every entry point (forward, forward_features,
+    # forward_intermediates, features_only) passes through it, and hooks script with the model,
+    # unlike a subclass's super().forward.
+    check_patch_input(args[0], patch_embed.proj.in_channels, patch_embed.img_size,
+                      patch_embed.patch_size, patch_embed.strict_img_size,
+                      patch_embed.dynamic_img_pad)
+
+
 def _create_quest_vit(variant: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
     out_indices = kwargs.pop('out_indices', 3)
     attn_layer = kwargs.pop('attn_layer', 'quest')
     if isinstance(attn_layer, str) and attn_layer in FORMULATIONS:
         attn_layer = attn_layer_for(attn_layer)
-    return build_model(
+    model = build_model(
         VisionTransformer, variant, pretrained,
         filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
         no_weights_hint=_no_weights_hint(variant),
         attn_layer=attn_layer,
         **kwargs)
+    # features_only wraps the model (FeatureGetterNet): its patch_embed is the same module.
+    model_vit = getattr(model, 'model', model)
+    model_vit.patch_embed.register_forward_pre_hook(_check_input)
+    return model
 
 
 def from_timm_weights(model_name: str, timm_tag: Optional[str] = None,
