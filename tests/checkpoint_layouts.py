@@ -369,3 +369,36 @@ def san_training_checkpoint(state_dict: Dict[str, torch.Tensor]) -> dict:
     return {"epoch": 100, "state_dict": {"module." + k: v for k, v in state_dict.items()},
             "optimizer": {"state": {}, "param_groups": [{"lr": 0.0, "momentum": 0.9}]},
             "top1_val": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# QUEST-ViT (shared/specs/quest_vit.md): no QUEST checkpoints exist; the checkpoints it loads as
+# an initialisation are the standard ViT / DeiT / DeiT-3 releases. DeiT-3's own layout
+# (facebookresearch/deit models_v2.py, vit_models with Layer_scale_init_Block): LayerScale as
+# per-block ``gamma_1`` / ``gamma_2`` vectors, a position embedding over the patches only.
+# ---------------------------------------------------------------------------------------------
+
+def deit3_official_manifest(embed_dim: int, depth: int, patch_size: int, img_size: int,
+                            mlp_ratio: float = 4., in_chans: int = 3,
+                            num_classes: int = 1000) -> Dict[str, Shape]:
+    C, hidden = embed_dim, int(embed_dim * mlp_ratio)
+    keys: Dict[str, Shape] = {
+        "cls_token": (1, 1, C),
+        "pos_embed": (1, (img_size // patch_size) ** 2, C),
+        "patch_embed.proj.weight": (C, in_chans, patch_size, patch_size),
+        "patch_embed.proj.bias": (C,),
+    }
+    for i in range(depth):
+        p = f"blocks.{i}."
+        keys.update({
+            p + "gamma_1": (C,), p + "gamma_2": (C,),
+            p + "norm1.weight": (C,), p + "norm1.bias": (C,),
+            p + "attn.qkv.weight": (3 * C, C), p + "attn.qkv.bias": (3 * C,),
+            p + "attn.proj.weight": (C, C), p + "attn.proj.bias": (C,),
+            p + "norm2.weight": (C,), p + "norm2.bias": (C,),
+            p + "mlp.fc1.weight": (hidden, C), p + "mlp.fc1.bias": (hidden,),
+            p + "mlp.fc2.weight": (C, hidden), p + "mlp.fc2.bias": (C,),
+        })
+    keys.update({"norm.weight": (C,), "norm.bias": (C,),
+                 "head.weight": (num_classes, C), "head.bias": (num_classes,)})
+    return keys

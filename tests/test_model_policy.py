@@ -12,7 +12,9 @@ SPATIAL = [m for m in SMALLEST if not family(m).token_output]
 
 
 def _input(model, batch=2):
-    size = model.pretrained_cfg.get("min_input_size") or (3, 64, 64)
+    cfg = model.pretrained_cfg
+    size = cfg["input_size"] if cfg.get("fixed_input_size") else (
+        cfg.get("min_input_size") or (3, 64, 64))
     return torch.randn(batch, *size)
 
 
@@ -56,12 +58,13 @@ def test_every_feature_cls_returns_the_stage_outputs(name, tmp_path):
 
 @pytest.mark.parametrize("name", SMALLEST)
 def test_pretrained_tags_are_honest(name):
-    """A tag loads downloadable weights or says how to get the official ones: never random."""
+    """A tag loads downloadable weights or says how to get the official ones (or, where none
+    exist, how to initialise from standard ones): never random."""
     for tag in timm.list_models(name, include_tags=True):
         cfg = timm.get_pretrained_cfg(tag)
         if cfg.hf_hub_id or cfg.url or cfg.file:
             continue
-        with pytest.raises(ValueError, match="attnzoo convert"):
+        with pytest.raises(ValueError, match="attnzoo convert|from_timm_weights"):
             timm.create_model(tag, pretrained=True, device="meta")
 
 

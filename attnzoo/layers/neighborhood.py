@@ -2,7 +2,8 @@
 
 The layer is NAT's / DiNAT's attention: a fused ``qkv`` projection, 2-D neighborhood attention
 with an optional relative positional bias ``rpb`` (parameter names match the official
-checkpoints), and an output projection ``proj``.
+checkpoints), and an output projection ``proj``. ``attn_norm="quest"`` makes it QUEST attention
+(Govindarajan et al., 2026): keys L2-normalised per head before the op, scale 1, on every backend.
 
 Small inputs: NA needs ``kernel_size * dilation <= H, W``. Like the official runtime, the layer
 zero-pads its (already normalised) input right/bottom up to ``kernel_size * dilation`` before
@@ -25,6 +26,7 @@ from timm.models import register_notrace_function
 
 from .. import backends
 from ..ops import na2d
+from .quest import check_attn_norm, l2_normalize
 
 __all__ = ["NeighborhoodAttention2d"]
 
@@ -71,6 +73,10 @@ class NeighborhoodAttention2d(nn.Module):
         proj_drop: dropout after ``proj``.
         backend: NA backend (``"torch" | "natten" | "cuda" | "auto"``); ``None`` follows
             :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
+        attn_norm: ``"none"`` (NAT's scaled dot product, scale ``head_dim ** -0.5``) or
+            ``"quest"`` (QUEST: keys L2-normalised per head, norm in fp32, queries untouched,
+            scale 1; the rpb is still added to the logits). No new parameters, so NAT weights
+            load into either (as an initialisation for ``"quest"``: the logits change).
     """
 
     def __init__(
@@ -84,11 +90,13 @@ class NeighborhoodAttention2d(nn.Module):
             attn_drop: float = 0.,
             proj_drop: float = 0.,
             backend: Optional[str] = None,
+            attn_norm: str = "none",
             device=None,
             dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
+        check_attn_norm(attn_norm)
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
         if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
@@ -104,7 +112,8 @@ class NeighborhoodAttention2d(nn.Module):
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
+        self.attn_norm = attn_norm
+        self.scale = 1.0 if attn_norm == "quest" else self.head_dim ** -0.5
         self.kernel_size = kernel_size
         self.dilation = dilation
         self.window = kernel_size * dilation  # smallest H, W the op accepts
@@ -132,12 +141,14 @@ class NeighborhoodAttention2d(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, "
                 f"dilation={self.dilation}, rel_pos_bias={self.rpb is not None}, "
-                f"backend={self.backend!r}")
+                f"attn_norm={self.attn_norm!r}, backend={self.backend!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         H, W = x.shape[1], x.shape[2]
         x = pad_to_window(x, self.window)
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(3)
+        if self.attn_norm == "quest":
+            k = l2_normalize(k)
         x = na2d_dispatch(q, k, v, self.kernel_size, self.dilation, self.rpb, self.scale,
                            self.backend)
         x = x.flatten(-2)[:, :H, :W]

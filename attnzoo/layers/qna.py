@@ -23,6 +23,7 @@ from timm.models import register_notrace_function
 
 from .. import backends
 from ..ops import qna2d
+from .quest import check_attn_norm, l2_normalize
 
 __all__ = ["QnA", "QnAUpsample", "LocalSelfAttention"]
 
@@ -279,14 +280,15 @@ def relative_position_index(win_h: int, win_w: int, window_size: int,
 
 @register_notrace_function
 def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
-                     window_size: int) -> torch.Tensor:
+                     window_size: int, attn_norm: str = "none") -> torch.Tensor:
     """Multi-head attention of ``qkv [B, H, W, 3 * C]`` (timm's ``(3, heads, head_dim)`` channel
     order) inside non-overlapping windows; ``table [(2w-1)^2, heads]`` relative biases.
 
     Windows: per axis the fewest of at most ``window_size`` that cover the map, as equal as
     possible (:func:`window_layout`), so a map no larger than the window is one global window
     and a multiple of it is tiled exactly as the official code does; where the windows overrun
-    the map, the padded keys are masked out. Returns ``[B, H, W, C]``."""
+    the map, the padded keys are masked out. ``attn_norm="quest"``: keys L2-normalised per head
+    and scale 1 (QUEST) instead of scale ``head_dim ** -0.5``. Returns ``[B, H, W, C]``."""
     B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
     C = qkv.shape[3] // 3
     head_dim = C // num_heads
@@ -299,6 +301,9 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     qkv = qkv.reshape(B, nh, wh, nw, ww, 3, num_heads, head_dim)
     q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
                                                           head_dim).unbind(0)
+    scale = head_dim ** -0.5
+    if attn_norm == "quest":
+        k, scale = l2_normalize(k), 1.0
     index = relative_position_index(wh, ww, window_size, table.device)
     bias = table[index.reshape(-1)].reshape(n, n, num_heads).permute(2, 0, 1)   # [heads, n, n]
     bias = bias.to(q.dtype).unsqueeze(0)
@@ -308,7 +313,7 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
         valid = valid.reshape(nh, wh, nw, ww).permute(0, 2, 1, 3).reshape(nh * nw, 1, 1, n)
         bias = bias.masked_fill(~valid, float("-inf"))                          # [nW, heads, n, n]
         bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     out = out.reshape(B, nh, nw, num_heads, wh, ww, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
     out = out.reshape(B, nh * wh, nw * ww, C)
     if pad_h > 0 or pad_w > 0:
@@ -332,6 +337,10 @@ class LocalSelfAttention(nn.Module):
         qkv_bias: bias on ``qkv`` (QnA-ViT: none).
         proj_bias: bias on ``proj`` (QnA-ViT: none).
         proj_drop: dropout after ``proj``.
+        attn_norm: ``"none"`` (scaled dot product) or ``"quest"`` (QUEST: keys L2-normalised
+            per head, norm in fp32, scale 1; the relative bias is still added). No new
+            parameters, so QnA-ViT weights load into either (as an initialisation for
+            ``"quest"``: the logits change).
     """
 
     def __init__(
@@ -342,6 +351,7 @@ class LocalSelfAttention(nn.Module):
             qkv_bias: bool = False,
             proj_bias: bool = False,
             proj_drop: float = 0.,
+            attn_norm: str = "none",
             device=None,
             dtype=None,
     ):
@@ -354,6 +364,7 @@ class LocalSelfAttention(nn.Module):
         self.dim = dim
         self.num_heads = num_heads
         self.window_size = window_size
+        self.attn_norm = check_attn_norm(attn_norm)
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias, **dd)
         self.relative_position_bias_table = nn.Parameter(
             torch.zeros((2 * window_size - 1) ** 2, num_heads, **dd))
@@ -369,11 +380,12 @@ class LocalSelfAttention(nn.Module):
         nn.init.zeros_(self.relative_position_bias_table)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, window_size={self.window_size}"
+        return (f"dim={self.dim}, num_heads={self.num_heads}, window_size={self.window_size}, "
+                f"attn_norm={self.attn_norm!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = window_attention(self.qkv(x), self.relative_position_bias_table, self.num_heads,
-                             self.window_size)
+                             self.window_size, self.attn_norm)
         x = self.proj(x)
         x = self.proj_drop(x)
         return x

@@ -48,6 +48,6 @@ Registration
     :func:`attnzoo.list_models`, the one definition of "our models").
 """
 from ._registry import list_models, model_family
-from . import nat, qna_vit, san  # noqa: F401
+from . import nat, qna_vit, quest_vit, san  # noqa: F401
 
 __all__ = ["list_models", "model_family"]

@@ -29,14 +29,18 @@ def _resolved_cfg(variant: str, kwargs: Dict[str, Any]) -> PretrainedCfg:
 
 def build_model(model_cls: type, variant: str, pretrained: bool, *,
                 filter_fn: Callable[[Dict[str, Any], nn.Module], Dict[str, Any]],
-                feature_cfg: Optional[Dict[str, Any]] = None, **kwargs) -> nn.Module:
+                feature_cfg: Optional[Dict[str, Any]] = None, no_weights_hint: str = "",
+                **kwargs) -> nn.Module:
     """``timm.models.build_model_with_cfg`` with attnzoo's pretrained policy: a tag whose
     weights are not downloadable (no ``hf_hub_id``, ``url`` or ``file``) raises instead of
     silently returning a randomly initialised model, and says where the official weights are
-    and how to load them."""
+    and how to load them (``no_weights_hint``, where given, replaces that advice: for a family
+    that has no official weights at all)."""
     if pretrained:
         cfg = _resolved_cfg(variant, kwargs)
         if not (cfg.hf_hub_id or cfg.url or cfg.file or cfg.state_dict):
+            if no_weights_hint:
+                raise ValueError(no_weights_hint)
             tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
             origin = f" from {cfg.origin_url}" if cfg.origin_url else ""
             raise ValueError(

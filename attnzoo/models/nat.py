@@ -91,7 +91,8 @@ class Downsample(nn.Module):
 class NATBlock(nn.Module):
     """Pre-norm transformer block with neighborhood attention on NHWC maps; optional layer
     scale. ``attn_kwargs`` go to :class:`attnzoo.layers.NeighborhoodAttention2d`
-    (``kernel_size``, ``dilation``, ``qkv_bias``, ``rel_pos_bias``, ``attn_drop``, ``backend``)."""
+    (``kernel_size``, ``dilation``, ``qkv_bias``, ``rel_pos_bias``, ``attn_drop``, ``backend``,
+    ``attn_norm``)."""
 
     def __init__(
             self,
@@ -178,6 +179,10 @@ class NAT(nn.Module):
         drop_path_rate: stochastic depth, linear from 0 over all blocks.
         layer_scale: initial value of the layer-scale gammas (``None``: no layer scale).
         backend: NA backend for every layer (``None``: follow :mod:`attnzoo.backends`).
+        attn_norm: ``"none"`` (NAT / DiNAT) or ``"quest"``: every block's attention normalises
+            its keys and uses scale 1 (QUEST, arXiv:2604.00199); same parameters, so NAT / DiNAT
+            weights load as an initialisation
+            (``timm.create_model('nat_mini.in1k', pretrained=True, attn_norm='quest')``).
     """
 
     def __init__(
@@ -199,6 +204,7 @@ class NAT(nn.Module):
             drop_path_rate: float = 0.2,
             layer_scale: Optional[float] = None,
             backend: Optional[str] = None,
+            attn_norm: str = "none",
             device=None,
             dtype=None,
     ):
@@ -227,7 +233,7 @@ class NAT(nn.Module):
                 drop_path=dpr[i], num_heads=heads[i], kernel_size=kernel_sizes[i],
                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, rel_pos_bias=rel_pos_bias,
                 proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, layer_scale=layer_scale,
-                backend=backend, **dd))
+                backend=backend, attn_norm=attn_norm, **dd))
             self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
             in_dim = dim
         self.stages = nn.Sequential(*stages)

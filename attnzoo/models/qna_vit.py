@@ -60,6 +60,7 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint_seq
 
 from ..layers import LocalSelfAttention, QnA
+from ..layers.quest import check_attn_norm
 from ._helpers import build_model, check_image_input, check_state_dict, per_stage, unwrap_checkpoint
 from ._registry import register_variants
 
@@ -166,6 +167,7 @@ class QnAStage(nn.Module):
             mlp_ratio: float = 4.,
             proj_drop: float = 0.,
             backend: Optional[str] = None,
+            attn_norm: str = "none",
             device=None,
             dtype=None,
     ):
@@ -183,7 +185,7 @@ class QnAStage(nn.Module):
         for j in range(lsa_depth + qna_depth):
             if j < lsa_depth:
                 attn = LocalSelfAttention(dim, lsa_heads, window_size=window_size,
-                                          proj_drop=proj_drop, **dd)
+                                          proj_drop=proj_drop, attn_norm=attn_norm, **dd)
             else:
                 attn = QnA(dim, dim, qna_heads, kernel_size=kernel_size, num_queries=num_queries,
                            proj_drop=proj_drop, backend=backend, **dd)
@@ -223,6 +225,9 @@ class QnAViT(nn.Module):
         drop_path_rate: stochastic depth, linear from 0 over every block in execution order.
         backend: ``qna2d`` backend for every QnA layer (``None``: follow
             :mod:`attnzoo.backends`).
+        attn_norm: ``"none"`` (QnA-ViT) or ``"quest"``: the LSA blocks normalise their keys
+            and use scale 1 (QUEST, arXiv:2604.00199); same parameters, so QnA-ViT weights
+            load as an initialisation. QnA's own learned-query attention is unchanged.
     """
 
     def __init__(
@@ -243,11 +248,13 @@ class QnAViT(nn.Module):
             proj_drop_rate: float = 0.,
             drop_path_rate: float = 0.05,
             backend: Optional[str] = None,
+            attn_norm: str = "none",
             device=None,
             dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
+        check_attn_norm(attn_norm)   # also where no stage has LSA blocks
         num_stages = len(qna_depths)
         lsa_depths = per_stage(lsa_depths, num_stages, "lsa_depths")
         qna_heads = per_stage(qna_heads, num_stages, "qna_heads")
@@ -276,7 +283,7 @@ class QnAViT(nn.Module):
                 in_dim, dim, qna_depths[i], lsa_depths[i], qna_heads[i], lsa_heads[i],
                 kernel_sizes[i], window_sizes[i], stage_dpr, downsample=downsample,
                 num_queries=num_queries, mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate,
-                backend=backend, **dd))
+                backend=backend, attn_norm=attn_norm, **dd))
             self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
         self.stages = nn.Sequential(*stages)
         self.num_features = dim
