@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Attention, maybe_add_mask, resolve_self_attn_mask
+from timm.models import register_notrace_function
 
 __all__ = ["QuestAttention", "QNormAttention", "QKNormAttention", "StandardAttention",
            "FORMULATIONS", "ATTN_NORMS", "attn_layer_for", "check_attn_norm", "l2_normalize"]
@@ -49,6 +50,7 @@ _QKNORM_INIT = math.log(10.)
 _QKNORM_MAX = math.log(100.)
 
 
+@register_notrace_function  # an FX leaf: it reads x.dtype (timm's tracer; torch.fx.wrap below)
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """``x`` L2-normalised over its last dim (the head dim), in ``x``'s dtype.
 
@@ -57,6 +59,9 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     epsilon; an all-zero vector stays zero (``F.normalize``'s 1e-12 floor), so it contributes a
     zero logit instead of NaN."""
     return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1).to(x.dtype)
+
+
+torch.fx.wrap("l2_normalize")
 
 
 def check_attn_norm(attn_norm: str) -> str:
