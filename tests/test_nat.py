@@ -4,7 +4,6 @@ import copy
 import functools
 import json
 import math
-import re
 
 import pytest
 import timm
