@@ -40,8 +40,11 @@ The timm contract
     ``get_classifier``, ``set_grad_checkpointing``, ``group_matcher``, ``no_weight_decay``;
     constructors pass ``device=`` / ``dtype=`` to every layer and reject unknown kwargs with
     ``TypeError``; bad input raises a ``ValueError`` naming what is accepted
-    (``_helpers.check_image_input``). Variant functions default ``drop_path_rate`` to the
-    paper's training value (timm's ``--drop-path`` overrides it).
+    (``_helpers.check_image_input``; for QUEST-ViT a pre-hook on timm's ``patch_embed``).
+    The hierarchical families get all of it from one base class, ``_staged.StagedModel``; a
+    family writes only its constructor, ``no_weight_decay`` and its checkpoint filter. Variant
+    functions default ``drop_path_rate`` to the paper's training value (timm's
+    ``--drop-path`` overrides it).
 
 Registration
     ``@register_model`` from :mod:`attnzoo.models._registry` (timm's, plus the record behind
