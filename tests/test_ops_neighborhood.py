@@ -208,6 +208,30 @@ def test_tiled_cases_really_tile(monkeypatch):
         assert max(seen) < group, (spatial, ks, dil, seen, group)
 
 
+def test_large_scores_go_in_batch_slices(monkeypatch):
+    """With an rpb that needs a gradient on CPU, scores over glibc's mmap threshold are computed
+    in batch slices (a smaller threshold stands in for 32 MiB here): same values and gradients
+    as the brute force, and really sliced (the spy sees each slice's batch)."""
+    monkeypatch.setattr(nbh, "_MMAP_THRESHOLD_MAX", 4096)
+    batches = []
+    matmul = torch.matmul
+
+    def spy(a, b):
+        batches.append(a.shape[0])
+        return matmul(a, b)
+
+    monkeypatch.setattr(nbh.torch, "matmul", spy)
+    q, k, v, rpb = make_inputs((5, 21, 14, 2, 4), (7, 7), requires_grad=True)
+    out = na2d(q, k, v, kernel_size=7, rpb=rpb, backend="torch")
+    monkeypatch.setattr(nbh.torch, "matmul", matmul)
+    assert batches and max(batches) < 5 and sum(batches) == 5, batches
+    expected = brute_na2d(q, k, v, (7, 7), (1, 1), rpb)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    inputs = (q, k, v, rpb)
+    for name, g, e in zip("qkvr", grads_of(out, inputs), grads_of(expected, inputs)):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad {name}: {m}")
+
+
 def test_na2d_noncontiguous_inputs():
     """q/k/v as slices of a fused qkv tensor (what the layers pass)."""
     g = torch.Generator().manual_seed(3)

@@ -61,7 +61,8 @@ _LN_EPS = 1e-5
 
 
 class Stem(nn.Module):
-    """Two overlapping 3x3 stride-2 convs (no activation between), LayerNorm; NCHW out."""
+    """Two overlapping 3x3 stride-2 convs (no activation between), LayerNorm; NCHW out (with
+    channels-last strides)."""
 
     def __init__(self, in_chans: int = 3, embed_dim: int = 64, device=None, dtype=None):
         dd = {"device": device, "dtype": dtype}
@@ -71,6 +72,9 @@ class Stem(nn.Module):
         self.norm = LayerNorm2d(embed_dim, eps=_LN_EPS, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The blocks work on NHWC anyway; channels-last convs are ~1.5x faster in training on CPU
+        # (oneDNN) and use NHWC tensor-core kernels on GPU.
+        x = x.contiguous(memory_format=torch.channels_last)
         return self.norm(self.conv2(self.conv1(x)))
 
 
