@@ -72,8 +72,8 @@ class Stem(nn.Module):
         self.norm = LayerNorm2d(embed_dim, eps=_LN_EPS, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The blocks work on NHWC anyway; channels-last convs are ~1.5x faster in training on CPU
-        # (oneDNN) and use NHWC tensor-core kernels on GPU.
+        # The blocks work on NHWC anyway; these two convs train ~1.5x faster channels-last on
+        # CPU (oneDNN), measured at nat_tiny's shapes.
         x = x.contiguous(memory_format=torch.channels_last)
         return self.norm(self.conv2(self.conv1(x)))
 
