@@ -73,13 +73,51 @@ def _bias(table, dy, dx, inside, KH: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def _logits(q, k, qy, qx, ky, kx, inside, table, qk_scale, KH: tl.constexpr, KW: tl.constexpr,
-            HAS_RPB: tl.constexpr, PRECISION: tl.constexpr):
-    """Base-2 logits [len(q), len(k)]: (q.k * scale + rpb) * log2(e), -inf outside the window."""
+def _program(heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH: tl.constexpr, TW: tl.constexpr):
+    """What program ``tl.program_id(0)`` owns: its ``batch * heads`` index, batch (int64) and
+    head, dilation group (gy, gx) of lengths (LY, LX), and its tile: the first position (ty0,
+    tx0) and all positions (py, px) in group coordinates, their mask and source positions."""
+    bh, gy, gx, ty, tx = program_tile(tl.program_id(0), tiles_y, tiles_x, DIL_Y, DIL_X)
+    LY = group_length(H, gy, DIL_Y)
+    LX = group_length(W, gx, DIL_X)
+    py, px = tile_positions(ty, tx, TH, TW)
+    return (bh, (bh // heads).to(tl.int64), bh % heads, gy, gx, LY, LX, ty * TH, tx * TW, py, px,
+            (py < LY) & (px < LX), to_source(py, gy, DIL_Y), to_source(px, gx, DIL_X))
+
+
+@triton.jit
+def _region_block(A, B, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y, DIL_X,
+                  say, sax, sac, sby, sbx, sbc, CA, CB, BCA: tl.constexpr, BCB: tl.constexpr,
+                  ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Block ``n`` of the region at (y0, x0) of ``rows x cols`` positions (group coordinates):
+    the positions, their mask and source positions, and the rows of the two tensors ``A`` and
+    ``B`` there (keys and values, or queries and output gradients)."""
+    py, px = block_positions(y0, x0, n, n_cols, ROWS, COLS)
+    valid = (py < y0 + rows) & (px < x0 + cols)
+    sy = to_source(py, gy, DIL_Y)
+    sx = to_source(px, gx, DIL_X)
+    a = load_rows(A, sy, sx, say, sax, sac, valid, CA, BCA)
+    b = load_rows(B, sy, sx, sby, sbx, sbc, valid, CB, BCB)
+    return py, px, valid, sy, sx, a, b
+
+
+@triton.jit
+def _key_block(q, qy, qx, wy, wx, valid_q, K, V, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y,
+               DIL_X, sky, skx, skd, svy, svx, svd, D, DV, table, qk_scale,
+               KH: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+               ROWS: tl.constexpr, COLS: tl.constexpr, HAS_RPB: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Block ``n`` of a query tile's key region (the query-centric passes): its keys and values,
+    and the tile's base-2 logits ``(q.k * scale + rpb) * log2(e)`` [len(q), len(k)], -inf
+    outside each query's window (queries at (qy, qx), windows starting at (wy, wx))."""
+    ky, kx, valid_k, _, _, k, v = _region_block(K, V, n, y0, x0, rows, cols, n_cols, gy, gx,
+                                                DIL_Y, DIL_X, sky, skx, skd, svy, svx, svd, D,
+                                                DV, BD, BDV, ROWS, COLS)
+    inside = _in_window(wy, wx, ky, kx, valid_q, valid_k, KH, KW)
     s = dot(q, tl.trans(k), PRECISION) * qk_scale
     if HAS_RPB:
         s += _bias(table, ky[None, :] - qy[:, None], kx[None, :] - qx[:, None], inside, KH, KW)
-    return tl.where(inside, s, float("-inf"))
+    return k, v, tl.where(inside, s, float("-inf"))
 
 
 @triton.jit
@@ -91,37 +129,23 @@ def _na_fwd_kernel(
         KH: tl.constexpr, KW: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
         ROWS: tl.constexpr, COLS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
         HAS_RPB: tl.constexpr, NREL: tl.constexpr, PRECISION: tl.constexpr):
-    bh, gy, gx, ty, tx = program_tile(tl.program_id(0), tiles_y, tiles_x, DIL_Y, DIL_X)
-    b = (bh // heads).to(tl.int64)
-    h = bh % heads
-    LY = group_length(H, gy, DIL_Y)
-    LX = group_length(W, gx, DIL_X)
-    qy, qx = tile_positions(ty, tx, TH, TW)
-    valid_q = (qy < LY) & (qx < LX)
+    bh, b, h, gy, gx, LY, LX, ty0, tx0, qy, qx, valid_q, y, x = _program(
+        heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
+    q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
     wy = na_window_start(qy, LY, KH)
     wx = na_window_start(qx, LX, KW)
-    y = to_source(qy, gy, DIL_Y)
-    x = to_source(qx, gx, DIL_X)
-    q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
-    Kb = K + b * skb + h * skh
-    Vb = V + b * svb + h * svh
     table = _rpb_table(RPB, h, KH, KW, NREL)
-
-    y0, rows = na_tile_region(ty * TH, TH, LY, KH)
-    x0, cols = na_tile_region(tx * TW, TW, LX, KW)
+    y0, rows = na_tile_region(ty0, TH, LY, KH)
+    x0, cols = na_tile_region(tx0, TW, LX, KW)
     n_cols = tl.cdiv(cols, COLS)
     m_i = tl.full([TH * TW], -1e30, tl.float32)
     l_i = tl.zeros([TH * TW], tl.float32)
     acc = tl.zeros([TH * TW, BDV], tl.float32)
     for n in range(0, tl.cdiv(rows, ROWS) * n_cols):
-        ky, kx = block_positions(y0, x0, n, n_cols, ROWS, COLS)
-        valid_k = (ky < y0 + rows) & (kx < x0 + cols)
-        k = load_rows(Kb, to_source(ky, gy, DIL_Y), to_source(kx, gx, DIL_X), sky, skx, skd,
-                      valid_k, D, BD)
-        v = load_rows(Vb, to_source(ky, gy, DIL_Y), to_source(kx, gx, DIL_X), svy, svx, svd,
-                      valid_k, DV, BDV)
-        inside = _in_window(wy, wx, ky, kx, valid_q, valid_k, KH, KW)
-        s = _logits(q, k, qy, qx, ky, kx, inside, table, qk_scale, KH, KW, HAS_RPB, PRECISION)
+        k, v, s = _key_block(q, qy, qx, wy, wx, valid_q, K + b * skb + h * skh,
+                             V + b * svb + h * svh, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y,
+                             DIL_X, sky, skx, skd, svy, svx, svd, D, DV, table, qk_scale, KH, KW,
+                             BD, BDV, ROWS, COLS, HAS_RPB, PRECISION)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, PRECISION)
 
     l_i = tl.where(l_i > 0, l_i, 1.)  # only padding queries of a partial tile have l = 0
@@ -161,43 +185,28 @@ def _na_bwd_dq_kernel(
         ROWS: tl.constexpr, COLS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
         RY: tl.constexpr, CX: tl.constexpr, HAS_RPB: tl.constexpr, NREL: tl.constexpr,
         RPB_GRAD: tl.constexpr, PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    bh, gy, gx, ty, tx = program_tile(pid, tiles_y, tiles_x, DIL_Y, DIL_X)
-    b = (bh // heads).to(tl.int64)
-    h = bh % heads
-    LY = group_length(H, gy, DIL_Y)
-    LX = group_length(W, gx, DIL_X)
-    qy, qx = tile_positions(ty, tx, TH, TW)
-    valid_q = (qy < LY) & (qx < LX)
+    bh, b, h, gy, gx, LY, LX, ty0, tx0, qy, qx, valid_q, y, x = _program(
+        heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
+    q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
     wy = na_window_start(qy, LY, KH)
     wx = na_window_start(qx, LX, KW)
-    y = to_source(qy, gy, DIL_Y)
-    x = to_source(qx, gx, DIL_X)
-    q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
     do = load_rows(DO + b * sdob + h * sdoh, y, x, sdoy, sdox, sdod, valid_q, DV, BDV)
     o = load_rows(O + b * sob + h * soh, y, x, soy, sox, sod, valid_q, DV, BDV)
     row = (bh.to(tl.int64) * H + y) * W + x
     lse = tl.load(LSE + row, mask=valid_q, other=0.)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + row, delta, mask=valid_q)
-    Kb = K + b * skb + h * skh
-    Vb = V + b * svb + h * svh
     table = _rpb_table(RPB, h, KH, KW, NREL)
-
-    y0, rows = na_tile_region(ty * TH, TH, LY, KH)
-    x0, cols = na_tile_region(tx * TW, TW, LX, KW)
+    y0, rows = na_tile_region(ty0, TH, LY, KH)
+    x0, cols = na_tile_region(tx0, TW, LX, KW)
     n_cols = tl.cdiv(cols, COLS)
     dq = tl.zeros([TH * TW, BD], tl.float32)
     drpb = tl.zeros([RY, CX], tl.float32)
     for n in range(0, tl.cdiv(rows, ROWS) * n_cols):
-        ky, kx = block_positions(y0, x0, n, n_cols, ROWS, COLS)
-        valid_k = (ky < y0 + rows) & (kx < x0 + cols)
-        k = load_rows(Kb, to_source(ky, gy, DIL_Y), to_source(kx, gx, DIL_X), sky, skx, skd,
-                      valid_k, D, BD)
-        v = load_rows(Vb, to_source(ky, gy, DIL_Y), to_source(kx, gx, DIL_X), svy, svx, svd,
-                      valid_k, DV, BDV)
-        inside = _in_window(wy, wx, ky, kx, valid_q, valid_k, KH, KW)
-        s = _logits(q, k, qy, qx, ky, kx, inside, table, qk_scale, KH, KW, HAS_RPB, PRECISION)
+        k, v, s = _key_block(q, qy, qx, wy, wx, valid_q, K + b * skb + h * skh,
+                             V + b * svb + h * svh, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y,
+                             DIL_X, sky, skx, skd, svy, svx, svd, D, DV, table, qk_scale, KH, KW,
+                             BD, BDV, ROWS, COLS, HAS_RPB, PRECISION)
         p = tl.exp2(s - lse[:, None])  # exactly 0 outside the window (s = -inf)
         dp = dot(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
@@ -211,7 +220,7 @@ def _na_bwd_dq_kernel(
     if RPB_GRAD:
         r = tl.arange(0, RY)[:, None]
         c = tl.arange(0, CX)[None, :]
-        tl.store(DRPB + pid.to(tl.int64) * (2 * KH - 1) * (2 * KW - 1) + r * (2 * KW - 1) + c,
+        tl.store(DRPB + tl.program_id(0).to(tl.int64) * (2 * KH - 1) * (2 * KW - 1) + r * (2 * KW - 1) + c,
                  drpb, mask=(r < 2 * KH - 1) & (c < 2 * KW - 1))
 
 
@@ -224,34 +233,22 @@ def _na_bwd_dkdv_kernel(
         KH: tl.constexpr, KW: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
         ROWS: tl.constexpr, COLS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
         HAS_RPB: tl.constexpr, NREL: tl.constexpr, PRECISION: tl.constexpr):
-    bh, gy, gx, ty, tx = program_tile(tl.program_id(0), tiles_y, tiles_x, DIL_Y, DIL_X)
-    b = (bh // heads).to(tl.int64)
-    h = bh % heads
-    LY = group_length(H, gy, DIL_Y)
-    LX = group_length(W, gx, DIL_X)
-    ky, kx = tile_positions(ty, tx, TH, TW)
-    valid_k = (ky < LY) & (kx < LX)
-    y = to_source(ky, gy, DIL_Y)
-    x = to_source(kx, gx, DIL_X)
+    bh, b, h, gy, gx, LY, LX, ty0, tx0, ky, kx, valid_k, y, x = _program(
+        heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
+    rows_base = bh.to(tl.int64) * H  # of this (batch, head) in LSE and DELTA
     k = load_rows(K + b * skb + h * skh, y, x, sky, skx, skd, valid_k, D, BD)
     v = load_rows(V + b * svb + h * svh, y, x, svy, svx, svd, valid_k, DV, BDV)
-    Qb = Q + b * sqb + h * sqh
-    DOb = DO + b * sdob + h * sdoh
-    rows_base = bh.to(tl.int64) * H
     table = _rpb_table(RPB, h, KH, KW, NREL)
 
-    y0, rows = na_query_region(ty * TH, TH, LY, KH)
-    x0, cols = na_query_region(tx * TW, TW, LX, KW)
+    y0, rows = na_query_region(ty0, TH, LY, KH)
+    x0, cols = na_query_region(tx0, TW, LX, KW)
     n_cols = tl.cdiv(cols, COLS)
     dk = tl.zeros([TH * TW, BD], tl.float32)
     dv = tl.zeros([TH * TW, BDV], tl.float32)
     for n in range(0, tl.cdiv(rows, ROWS) * n_cols):
-        qy, qx = block_positions(y0, x0, n, n_cols, ROWS, COLS)
-        valid_q = (qy < y0 + rows) & (qx < x0 + cols)
-        sy = to_source(qy, gy, DIL_Y)
-        sx = to_source(qx, gx, DIL_X)
-        q = load_rows(Qb, sy, sx, sqy, sqx, sqd, valid_q, D, BD)
-        do = load_rows(DOb, sy, sx, sdoy, sdox, sdod, valid_q, DV, BDV)
+        qy, qx, valid_q, sy, sx, q, do = _region_block(
+            Q + b * sqb + h * sqh, DO + b * sdob + h * sdoh, n, y0, x0, rows, cols, n_cols, gy,
+            gx, DIL_Y, DIL_X, sqy, sqx, sqd, sdoy, sdox, sdod, D, DV, BD, BDV, ROWS, COLS)
         row = (rows_base + sy) * W + sx
         lse = tl.load(LSE + row, mask=valid_q, other=0.)
         delta = tl.load(DELTA + row, mask=valid_q, other=0.)

@@ -91,8 +91,7 @@ class NeighborhoodAttention2d(nn.Module):
             proj_drop: float = 0.,
             backend: Optional[str] = None,
             attn_norm: str = "none",
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()

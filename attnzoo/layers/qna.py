@@ -153,8 +153,7 @@ class QnA(_QueriesAndAttend):
             bias: bool = False,
             proj_drop: float = 0.,
             backend: Optional[str] = None,
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         super().__init__(dim, out_dim or dim, num_heads, num_queries, kernel_size, rel_pos_bias,
                          bias, proj_drop, backend, device, dtype)
@@ -207,16 +206,10 @@ class QnAUpsample(_QueriesAndAttend):
         >>> y.shape
         torch.Size([2, 32, 32, 48])
 
-    Args:
-        dim: input channels.
-        out_dim: output channels (default ``dim``).
-        num_heads: heads.
+    Args (the others as :class:`QnA`'s):
         scale: upsampling factor s (``s*s`` learned queries).
         kernel_size: odd window size k (the paper's autoencoder: 3).
         rel_pos_bias: learn a relative bias per query, head and window offset.
-        bias: biases on the value and output projections.
-        proj_drop: dropout after ``proj``.
-        backend: ``qna2d`` backend (``None``: follow :mod:`attnzoo.backends`).
     """
 
     def __init__(
@@ -230,8 +223,7 @@ class QnAUpsample(_QueriesAndAttend):
             bias: bool = False,
             proj_drop: float = 0.,
             backend: Optional[str] = None,
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         if not isinstance(scale, int) or scale < 1:
             raise ValueError(f"scale must be an int >= 1, got {scale!r}")
@@ -352,8 +344,7 @@ class LocalSelfAttention(nn.Module):
             proj_bias: bool = False,
             proj_drop: float = 0.,
             attn_norm: str = "none",
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()

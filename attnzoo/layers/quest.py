@@ -107,8 +107,7 @@ class QuestAttention(Attention):
             proj_drop: float = 0.,
             norm_layer: Optional[Type[nn.Module]] = None,
             formulation: Optional[str] = None,
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ) -> None:
         formulation = self.default_formulation if formulation is None else formulation
         if formulation not in FORMULATIONS:

@@ -24,9 +24,9 @@ Relation functions ``delta`` (the paper's Table 4), ``relation=``:
 
 Module and parameter names are the official code's (``conv1``, ``conv2``, ``conv3``,
 ``conv_w.{0,2,3,5}``, ``conv_p``). Every neighbourhood op goes through :mod:`attnzoo.ops.san`
-in module-level functions that are ``@torch.jit.ignore`` (scripted models call them as Python,
-so the backend switch keeps working) and FX leaves (their argument checks depend on shapes).
-"""
+in one module-level function, :func:`sa_op`: ``@torch.jit.ignore`` (scripted models call it as
+Python, so the backend switch keeps working) and an FX leaf (the ops' argument checks depend on
+shapes)."""
 from typing import Optional
 
 import torch
@@ -44,36 +44,23 @@ PAIRWISE_RELATIONS = ("subtraction", "summation", "hadamard_product", "concatena
 PATCHWISE_RELATIONS = ("concatenation", "star_product", "clique_product")
 
 
-@register_notrace_function
-@torch.jit.ignore
-def sa_subtraction(x: torch.Tensor, kernel_size: int, dilation: int, stride: int,
-                   padding_mode: str, backend: Optional[str]) -> torch.Tensor:
-    return san_subtraction(x, kernel_size=kernel_size, dilation=dilation, stride=stride,
-                           padding_mode=padding_mode, backend=backend)
+_SAN_OPS = {"subtraction": san_subtraction, "subtraction2": san_subtraction2,
+            "aggregation": san_aggregation}
 
 
 @register_notrace_function
 @torch.jit.ignore
-def sa_subtraction2(x1: torch.Tensor, x2: torch.Tensor, kernel_size: int, dilation: int,
-                    stride: int, padding_mode: str, backend: Optional[str]) -> torch.Tensor:
-    return san_subtraction2(x1, x2, kernel_size=kernel_size, dilation=dilation, stride=stride,
-                            padding_mode=padding_mode, backend=backend)
-
-
-@register_notrace_function
-@torch.jit.ignore
-def sa_aggregation(x: torch.Tensor, weight: torch.Tensor, kernel_size: int, dilation: int,
-                   stride: int, padding_mode: str, backend: Optional[str]) -> torch.Tensor:
-    return san_aggregation(x, weight, kernel_size=kernel_size, dilation=dilation, stride=stride,
-                           padding_mode=padding_mode, backend=backend)
-
-
-@register_notrace_function
-@torch.jit.ignore
-def sa_neighbours(x: torch.Tensor, kernel_size: int, dilation: int, stride: int,
-                  padding_mode: str) -> torch.Tensor:
-    return san_neighbours(x, kernel_size=kernel_size, dilation=dilation, stride=stride,
-                          padding_mode=padding_mode)
+def sa_op(op: str, x: torch.Tensor, y: Optional[torch.Tensor], kernel_size: int, dilation: int,
+          stride: int, padding_mode: str, backend: Optional[str]) -> torch.Tensor:
+    """``san_{op}`` of :mod:`attnzoo.ops.san` on ``x`` and, for the two-tensor ops
+    (``subtraction2``, ``aggregation``), ``y``; ``op='neighbours'`` ignores ``backend`` (a
+    gather has none)."""
+    geometry = dict(kernel_size=kernel_size, dilation=dilation, stride=stride,
+                    padding_mode=padding_mode)
+    if op == "neighbours":
+        return san_neighbours(x, **geometry)
+    tensors = (x,) if y is None else (x, y)
+    return _SAN_OPS[op](*tensors, backend=backend, **geometry)
 
 
 def sa_centre(x: torch.Tensor, stride: int) -> torch.Tensor:
@@ -126,8 +113,7 @@ class SAM(nn.Module):
             relation: Optional[str] = None,
             padding_mode: str = 'reflect',
             backend: Optional[str] = None,
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
@@ -190,16 +176,19 @@ class SAM(nn.Module):
                 f"backend={self.backend!r}")
 
     def neighbours(self, x: torch.Tensor) -> torch.Tensor:
-        return sa_neighbours(x, self.kernel_size, self.dilation, self.stride, self.padding_mode)
+        return self.op("neighbours", x)
+
+    def op(self, op: str, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """An :mod:`attnzoo.ops.san` op with this module's footprint and backend."""
+        return sa_op(op, x, y, self.kernel_size, self.dilation, self.stride, self.padding_mode,
+                     self.backend)
 
     def pairwise_relation(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         """``delta(x_i, x_j)``, ``[N, C, kk, L]``."""
         if self.relation == 'subtraction':
-            return sa_subtraction2(x1, x2, self.kernel_size, self.dilation, self.stride,
-                                   self.padding_mode, self.backend)
+            return self.op("subtraction2", x1, x2)
         if self.relation == 'summation':  # x1_i - (-x2_j), exactly
-            return sa_subtraction2(x1, -x2, self.kernel_size, self.dilation, self.stride,
-                                   self.padding_mode, self.backend)
+            return self.op("subtraction2", x1, -x2)
         centre, nbrs = sa_centre(x1, self.stride), self.neighbours(x2)
         if self.relation == 'hadamard_product':
             return centre * nbrs
@@ -224,8 +213,7 @@ class SAM(nn.Module):
         x1, x2, x3 = self.conv1(x), self.conv2(x), self.conv3(x)
         if self.conv_p is not None:  # pairwise
             p = self.conv_p(position_grid(x))
-            p = sa_subtraction(p, self.kernel_size, self.dilation, self.stride,
-                               self.padding_mode, self.backend)
+            p = self.op("subtraction", p)
             r = self.pairwise_relation(x1, x2)
             r = torch.cat([r, p.expand(r.shape[0], -1, -1, -1).to(r.dtype)], 1)
             w = self.conv_w(r).softmax(dim=-2)
@@ -233,5 +221,4 @@ class SAM(nn.Module):
             w = self.conv_w(self.patchwise_relation(x1, x2))
             w = w.reshape(w.shape[0], -1, self.taps, w.shape[-1])
         # autocast runs the softmax in float32; the aggregation takes one dtype
-        return sa_aggregation(x3, w.to(x3.dtype), self.kernel_size, self.dilation, self.stride,
-                              self.padding_mode, self.backend)
+        return self.op("aggregation", x3, w.to(x3.dtype))

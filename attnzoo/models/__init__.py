@@ -41,14 +41,18 @@ The timm contract
     constructors pass ``device=`` / ``dtype=`` to every layer and reject unknown kwargs with
     ``TypeError``; bad input raises a ``ValueError`` naming what is accepted
     (``_helpers.check_image_input``; for QUEST-ViT a pre-hook on timm's ``patch_embed``).
-    The hierarchical families get all of it from one base class, ``_staged.StagedModel``; a
-    family writes only its constructor, ``no_weight_decay`` and its checkpoint filter. Variant
+    The hierarchical families get all of it from one base class, ``_staged.StagedModel``
+    (their stages from ``_staged.Stage``, builder and cfg defaults from ``build_staged`` and
+    ``staged_cfg``); a family writes only its constructor, ``no_weight_decay`` and its
+    checkpoint filter (official names mapped by ``_helpers.rename_key`` rules). Variant
     functions default ``drop_path_rate`` to the paper's training value (timm's
     ``--drop-path`` overrides it).
 
 Registration
-    ``@register_model`` from :mod:`attnzoo.models._registry` (timm's, plus the record behind
-    :func:`attnzoo.list_models`, the one definition of "our models").
+    ``register_variants`` from :mod:`attnzoo.models._registry`: one timm entrypoint per row of
+    a family's table ``name: (docstring, config)``, registered by the module's
+    ``register_model`` (timm's, plus the record behind :func:`attnzoo.list_models`, the one
+    definition of "our models").
 """
 from ._registry import list_models, model_family
 from . import nat, qna_vit, quest_vit, san  # noqa: F401

@@ -2,7 +2,8 @@
 policy, checkpoint unwrapping and checking, input checks, drop-path schedules."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional
+import re
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -10,8 +11,8 @@ from timm.models import build_model_with_cfg, register_notrace_function
 from timm.models._pretrained import PretrainedCfg
 from timm.models._registry import get_pretrained_cfg
 
-__all__ = ["build_model", "unwrap_checkpoint", "check_state_dict", "check_image_input",
-           "per_stage"]
+__all__ = ["build_model", "unwrap_checkpoint", "rename_key", "replace_prefix",
+           "check_state_dict", "check_image_input", "per_stage"]
 
 
 def _resolved_cfg(variant: str, kwargs: Dict[str, Any]) -> PretrainedCfg:
@@ -61,6 +62,24 @@ def unwrap_checkpoint(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
             checkpoint = checkpoint[wrapper]
     return {k[len("module."):] if k.startswith("module.") else k: v
             for k, v in checkpoint.items()}
+
+
+def rename_key(key: str, rules: Sequence[Tuple[str, str]]) -> str:
+    """``key`` rewritten by the first ``(pattern, replacement)`` regex rule that matches it
+    (unchanged where none does): how a converter maps an official layout's names to ours."""
+    for pattern, replacement in rules:
+        new, n = re.subn(pattern, replacement, key)
+        if n:
+            return new
+    return key
+
+
+def replace_prefix(key: str, prefixes: Sequence[Tuple[str, str]]) -> str:
+    """``key`` with the first of the ``(old, new)`` prefixes it starts with replaced."""
+    for old, new in prefixes:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
 
 
 def check_state_dict(state_dict: Dict[str, Any], model: nn.Module,

@@ -24,12 +24,12 @@ def register_model(fn: Callable) -> Callable:
 def register_variants(namespace: Dict[str, Any], create: Callable[..., Any],
                       variants: Mapping[str, Tuple[str, Dict[str, Any]]]) -> None:
     """Register one timm entrypoint per variant, ``name(pretrained=False, **kwargs)`` returning
-    ``create(name, pretrained, config, **kwargs)`` (the caller's kwargs override the config),
+    ``create(name, pretrained, **config, **kwargs)`` (the caller's kwargs override the config),
     defined in ``namespace`` (the family module's ``globals()``) so that
     ``from attnzoo.models.nat import nat_tiny`` works. ``variants``: name -> (docstring, config)."""
     def make(name: str, doc: str, config: Dict[str, Any]) -> Callable:
         def entrypoint(pretrained: bool = False, **kwargs):
-            return create(name, pretrained, config, **kwargs)
+            return create(name, pretrained, **dict(config, **kwargs))
         entrypoint.__name__ = entrypoint.__qualname__ = name
         entrypoint.__doc__ = doc
         entrypoint.__module__ = namespace["__name__"]

@@ -8,23 +8,81 @@ constructor is the same code, which lives here once: forward, features, intermed
 classifier reset, grad checkpointing, parameter groups.
 
 A subclass sets, in ``__init__``: ``in_chans``, ``min_size`` (the smallest input side it
-accepts), ``drop_rate``, ``num_classes``, ``num_features``, ``head_hidden_size``,
-``feature_info`` (one entry per stage), and the four modules above.
+accepts), ``drop_rate``, ``num_classes``, ``feature_info`` (one entry per stage) and ``stem``,
+then calls :meth:`StagedModel.set_stages` for the other three modules. Its stages subclass
+:class:`Stage`; its variants are built by :func:`build_staged` with cfgs from
+:func:`staged_cfg`.
 """
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, get_device_dtype
 from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint_seq
 
-from ._helpers import check_image_input
+from ._helpers import build_model, check_image_input
 
-__all__ = ["StagedModel"]
+__all__ = ["StagedModel", "Stage", "build_staged", "staged_cfg"]
+
+
+class Stage(nn.Module):
+    """Base of a model's stages: a subclass makes ``downsample`` and ``blocks`` (an
+    ``nn.Sequential``) and calls :meth:`forward_blocks`, which checkpoints the blocks when
+    timm's ``set_grad_checkpointing`` asked for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.grad_checkpointing = False
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint_seq(self.blocks, x)
+        return self.blocks(x)
+
+
+def build_staged(model_cls: type, variant: str, pretrained: bool, num_stages: int,
+                 filter_fn: Callable[[Dict[str, Any], nn.Module], Dict[str, Any]],
+                 **kwargs) -> nn.Module:
+    """:func:`build_model` for a :class:`StagedModel` of ``num_stages`` stages: by default
+    ``features_only`` returns every stage's output (``out_indices`` overrides)."""
+    out_indices = kwargs.pop('out_indices', tuple(range(num_stages)))
+    return build_model(model_cls, variant, pretrained, filter_fn=filter_fn,
+                       feature_cfg=dict(flatten_sequential=True, out_indices=out_indices),
+                       **kwargs)
+
+
+def staged_cfg(**kwargs) -> Dict[str, Any]:
+    """A pretrained cfg for an ImageNet-1k model at 224 with a 7x7 final map (timm's fields;
+    ``kwargs`` add to or override them)."""
+    return {
+        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
+        'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
+        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'stem.conv', 'classifier': 'head.fc',
+        **kwargs,
+    }
 
 
 class StagedModel(nn.Module):
-    """Base of the hierarchical families: timm's model interface on stem / stages / norm / head."""
+    """Base of the hierarchical families: timm's model interface on stem / stages / norm / head.
+
+    Every subclass takes, besides its own arguments:
+        in_chans: input image channels.
+        num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
+        global_pool: ``'avg'`` (the official models), any timm ``SelectAdaptivePool2d`` type, or
+            ``''`` (no pooling).
+        drop_rate: dropout before the classifier.
+    """
+
+    def set_stages(self, stages: List[nn.Module], norm: nn.Module, global_pool: str) -> None:
+        """The end of a subclass's ``__init__``, after ``feature_info``, ``num_classes`` and
+        ``drop_rate``: its ``stages``, the final ``norm`` and the classifier ``head``."""
+        self.stages = nn.Sequential(*stages)
+        self.num_features = self.feature_info[-1]['num_chs']
+        self.norm = norm
+        self.reset_classifier(self.num_classes, global_pool)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
@@ -117,7 +175,12 @@ class StagedModel(nn.Module):
             self.num_features = self.feature_info[max_index]['num_chs']
         if prune_head or prune_end:
             self.reset_classifier(0, '')
+        self.stages_pruned()
         return take_indices
+
+    def stages_pruned(self) -> None:
+        """Called at the end of :meth:`prune_intermediate_layers`: where the model's
+        minimum input depends on its stages, a subclass updates ``min_size`` here."""
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Final normalised feature map, NCHW and unpooled."""

@@ -36,9 +36,7 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import (
-    ClassifierHead,
     DropPath,
     LayerNorm2d,
     LayerScale,
@@ -47,12 +45,12 @@ from timm.layers import (
     trunc_normal_,
 )
 from timm.models import generate_default_cfgs
-from timm.models._manipulate import checkpoint_seq
 
 from ..layers import NeighborhoodAttention2d
-from ._helpers import build_model, check_state_dict, per_stage, unwrap_checkpoint
+from ._helpers import (check_state_dict, per_stage, rename_key, replace_prefix,
+                       unwrap_checkpoint)
 from ._registry import register_variants
-from ._staged import StagedModel
+from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
 __all__ = ["NAT", "checkpoint_filter_fn"]
 
@@ -105,8 +103,7 @@ class NATBlock(nn.Module):
             proj_drop: float = 0.,
             drop_path: float = 0.,
             layer_scale: Optional[float] = None,
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
             **attn_kwargs,
     ):
         dd = {"device": device, "dtype": dtype}
@@ -127,7 +124,7 @@ class NATBlock(nn.Module):
         return x
 
 
-class NATStage(nn.Module):
+class NATStage(Stage):
     """``downsample`` (identity in stage 0), then ``blocks`` on NHWC; takes and returns NCHW, so
     a stage's output is its feature tap for every feature extractor (hooks and FX included)."""
 
@@ -139,13 +136,11 @@ class NATStage(nn.Module):
             downsample: bool,
             dilations: Sequence[int],
             drop_path: Sequence[float],
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
             **block_kwargs,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
-        self.grad_checkpointing = False
         self.downsample = Downsample(in_dim, dim, **dd) if downsample else nn.Identity()
         self.blocks = nn.Sequential(*[
             NATBlock(dim, dilation=dilations[j], drop_path=drop_path[j], **block_kwargs, **dd)
@@ -153,20 +148,14 @@ class NATStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.downsample(x).permute(0, 2, 3, 1)  # NCHW -> NHWC (a view: channels-last strides)
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.blocks, x)
-        else:
-            x = self.blocks(x)
-        return x.permute(0, 3, 1, 2)
+        return self.forward_blocks(x).permute(0, 3, 1, 2)
 
 
 class NAT(StagedModel):
     """Neighborhood Attention Transformer; with per-block ``dilations`` it is DiNAT.
 
-    Args:
-        in_chans: input image channels.
-        num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
-        global_pool: ``'avg'`` (official), any timm ``SelectAdaptivePool2d`` type, or ``''``.
+    Args (besides ``in_chans``, ``num_classes``, ``global_pool``, ``drop_rate``: see
+    :class:`~attnzoo.models._staged.StagedModel`):
         embed_dim: channels of stage 0; stage ``i`` has ``embed_dim * 2 ** i``.
         depths: blocks per stage.
         num_heads: heads per stage.
@@ -176,7 +165,6 @@ class NAT(StagedModel):
         mlp_ratio: MLP hidden width / dim.
         qkv_bias: bias on the fused qkv projection.
         rel_pos_bias: learn relative positional biases ``rpb``.
-        drop_rate: dropout before the classifier.
         proj_drop_rate: dropout after attention / MLP projections.
         attn_drop_rate: attention-weight dropout (unsupported by the NA op: must be 0).
         drop_path_rate: stochastic depth, linear from 0 over all blocks.
@@ -208,8 +196,7 @@ class NAT(StagedModel):
             layer_scale: Optional[float] = None,
             backend: Optional[str] = None,
             attn_norm: str = "none",
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
@@ -240,12 +227,7 @@ class NAT(StagedModel):
                 backend=backend, attn_norm=attn_norm, **dd))
             self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
             in_dim = dim
-        self.stages = nn.Sequential(*stages)
-        self.num_features = dim
-        self.norm = LayerNorm2d(dim, eps=_LN_EPS, **dd)
-        self.head = ClassifierHead(dim, num_classes, pool_type=global_pool, drop_rate=drop_rate,
-                                   **dd)
-        self.head_hidden_size = dim * self.head.global_pool.feat_mult()
+        self.set_stages(stages, LayerNorm2d(dim, eps=_LN_EPS, **dd), global_pool)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -290,10 +272,7 @@ def _transformers_to_official(state_dict: Dict[str, torch.Tensor]) -> Dict[str, 
     out: Dict[str, torch.Tensor] = {}
     qkv: Dict[str, Dict[str, torch.Tensor]] = {}
     for k, v in state_dict.items():
-        for prefix in _HF_PREFIXES:
-            if k.startswith(prefix):
-                k = k[len(prefix):]
-                break
+        k = replace_prefix(k, [(prefix, '') for prefix in _HF_PREFIXES])
         if k.startswith('encoder.levels.'):
             k = 'levels.' + k[len('encoder.levels.'):]
             if '.layers.' in k:
@@ -311,16 +290,9 @@ def _transformers_to_official(state_dict: Dict[str, torch.Tensor]) -> Dict[str, 
                                          f"[2, dim], got {tuple(v.shape)}")
                     out[block + 'gamma1'], out[block + 'gamma2'] = v[0], v[1]
                     continue
-                for src, dst in _HF_LAYER_MAP:
-                    if name.startswith(src):
-                        name = dst + name[len(src):]
-                        break
-                k = block + name
+                k = block + replace_prefix(name, _HF_LAYER_MAP)
         else:
-            for src, dst in _HF_TOP_MAP:
-                if k.startswith(src):
-                    k = dst + k[len(src):]
-                    break
+            k = replace_prefix(k, _HF_TOP_MAP)
         out[k] = v
     for k, parts in qkv.items():
         missing = [p for p in ('query', 'key', 'value') if p not in parts]
@@ -352,11 +324,7 @@ def _official_to_timm(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
             part = 'conv' if m.group(2) == 'reduction' else 'norm'
             out[f'stages.{int(m.group(1)) + 1}.downsample.{part}.{m.group(3)}'] = v
             continue
-        for pattern, repl in _OFFICIAL_MAP:
-            k, n = re.subn(pattern, repl, k)
-            if n:
-                break
-        out[k] = v
+        out[rename_key(k, _OFFICIAL_MAP)] = v
     return out
 
 
@@ -381,26 +349,15 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NAT) -> Dict[str, to
 # model creation, pretrained configs, registration
 # --------------------------------------------------------------------------------------------
 
-def _create_nat(variant: str, pretrained: bool, model_args: Dict[str, Any], **kwargs) -> NAT:
-    kwargs = dict(model_args, **kwargs)  # the caller's kwargs override the variant's config
-    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (3, 4, 6, 5))))))
-    return build_model(
-        NAT, variant, pretrained, filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices), **kwargs)
+def _create_nat(variant: str, pretrained: bool = False, **kwargs) -> NAT:
+    return build_staged(NAT, variant, pretrained, len(kwargs.get('depths', (3, 4, 6, 5))),
+                        checkpoint_filter_fn, **kwargs)
 
 
-def _cfg(hf_hub_id: str = '', **kwargs) -> Dict[str, Any]:
-    return {
-        'hf_hub_id': hf_hub_id,
-        # transformers-layout weights; timm tries model.safetensors first, then this file
-        'hf_hub_filename': 'pytorch_model.bin',
-        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
-        'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'stem.conv1', 'classifier': 'head.fc',
-        'license': 'mit',
-        **kwargs,
-    }
+def _cfg(hf_hub_id: str, **kwargs) -> Dict[str, Any]:
+    # transformers-layout weights; timm tries model.safetensors first, then hf_hub_filename
+    return staged_cfg(hf_hub_id=hf_hub_id, hf_hub_filename='pytorch_model.bin',
+                      first_conv='stem.conv1', license='mit', **kwargs)
 
 
 _NAT_PAPER = dict(paper_ids='arXiv:2204.07143', paper_name='Neighborhood Attention Transformer',

@@ -44,9 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Un
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import (
-    ClassifierHead,
     DropPath,
     LayerNorm2d,
     Mlp,
@@ -55,13 +53,12 @@ from timm.layers import (
 )
 from timm.layers.activations import GELUTanh  # timm 1.0.29 does not export it from timm.layers
 from timm.models import generate_default_cfgs, register_notrace_function
-from timm.models._manipulate import checkpoint_seq
 
 from ..layers import LocalSelfAttention, QnA
 from ..layers.quest import check_attn_norm
-from ._helpers import build_model, check_state_dict, per_stage, unwrap_checkpoint
+from ._helpers import check_state_dict, per_stage, unwrap_checkpoint
 from ._registry import register_variants
-from ._staged import StagedModel
+from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
 __all__ = ["QnAViT", "checkpoint_filter_fn", "read_checkpoint"]
 
@@ -145,7 +142,7 @@ class DownsampleBlock(nn.Module):
         return x
 
 
-class QnAStage(nn.Module):
+class QnAStage(Stage):
     """``downsample`` (identity in stage 0), then the LSA blocks, then the QnA blocks; NHWC
     inside, NCHW in and out, so a stage's output is its feature tap for every feature
     extractor."""
@@ -167,12 +164,10 @@ class QnAStage(nn.Module):
             proj_drop: float = 0.,
             backend: Optional[str] = None,
             attn_norm: str = "none",
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
-        self.grad_checkpointing = False
         dpr = list(drop_path)
         if downsample is not None:
             self.downsample = DownsampleBlock(
@@ -196,20 +191,14 @@ class QnAStage(nn.Module):
         # NCHW -> NHWC, stored NHWC: a view for the NCHW (channels-last) outputs of earlier
         # stages, one copy after the stem; every residual sum then keeps this layout.
         x = self.downsample(x.permute(0, 2, 3, 1).contiguous())
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.blocks, x)
-        else:
-            x = self.blocks(x)
-        return x.permute(0, 3, 1, 2)
+        return self.forward_blocks(x).permute(0, 3, 1, 2)
 
 
 class QnAViT(StagedModel):
     """QnA-ViT: hierarchical vision transformer of QnA and window self-attention blocks.
 
-    Args:
-        in_chans: input image channels.
-        num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
-        global_pool: ``'avg'`` (official), any timm ``SelectAdaptivePool2d`` type, or ``''``.
+    Args (besides ``in_chans``, ``num_classes``, ``global_pool``, ``drop_rate``: see
+    :class:`~attnzoo.models._staged.StagedModel`):
         embed_dim: channels of stage 0; stage ``i`` has ``embed_dim * 2 ** i``.
         qna_depths: QnA blocks per stage of the paper (its downsampling blocks not counted).
         lsa_depths: window self-attention blocks per stage.
@@ -219,7 +208,6 @@ class QnAViT(StagedModel):
         window_sizes: largest LSA window per stage (see the module docstring for other sizes).
         num_queries: learned queries per QnA layer.
         mlp_ratio: MLP hidden width / dim.
-        drop_rate: dropout before the classifier.
         proj_drop_rate: dropout after attention / MLP projections.
         drop_path_rate: stochastic depth, linear from 0 over every block in execution order.
         backend: ``qna2d`` backend for every QnA layer (``None``: follow
@@ -248,8 +236,7 @@ class QnAViT(StagedModel):
             drop_path_rate: float = 0.05,
             backend: Optional[str] = None,
             attn_norm: str = "none",
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
@@ -285,12 +272,7 @@ class QnAViT(StagedModel):
                 num_queries=num_queries, mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate,
                 backend=backend, attn_norm=attn_norm, **dd))
             self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
-        self.stages = nn.Sequential(*stages)
-        self.num_features = dim
-        self.norm = LayerNorm2d(dim, eps=_LN_EPS, **dd)
-        self.head = ClassifierHead(dim, num_classes, pool_type=global_pool, drop_rate=drop_rate,
-                                   **dd)
-        self.head_hidden_size = dim * self.head.global_pool.feat_mult()
+        self.set_stages(stages, LayerNorm2d(dim, eps=_LN_EPS, **dd), global_pool)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -535,37 +517,25 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: QnAViT) -> Dict[str,
 # model creation, pretrained configs, registration
 # --------------------------------------------------------------------------------------------
 
-def _create_qna_vit(variant: str, pretrained: bool, model_args: Dict[str, Any],
-                    **kwargs) -> QnAViT:
-    kwargs = dict(model_args, **kwargs)  # the caller's kwargs override the variant's config
-    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('qna_depths', range(4))))))
-    return build_model(
-        QnAViT, variant, pretrained, filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices), **kwargs)
+def _create_qna_vit(variant: str, pretrained: bool = False, **kwargs) -> QnAViT:
+    return build_staged(QnAViT, variant, pretrained, len(kwargs.get('qna_depths', range(4))),
+                        checkpoint_filter_fn, **kwargs)
 
 
-def _cfg(**kwargs) -> Dict[str, Any]:
-    return {
-        # The official weights exist only behind the authors' download link (Flax files): no
-        # hf_hub_id / url. pretrained=True explains how to convert and load them.
-        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
-        'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'stem.conv', 'classifier': 'head.fc',
-        'license': 'mit', 'origin_url': 'https://github.com/moabarar/qna',
-        'paper_ids': 'arXiv:2112.11435',
-        'paper_name': 'Learned Queries for Efficient Local Attention',
-        'notes': ('official ImageNet-1k weights: Flax checkpoints linked from the origin_url '
-                  'README; convert with `attnzoo convert`',),
-        **kwargs,
-    }
+# The official weights exist only behind the authors' download link (Flax files): no hf_hub_id /
+# url. pretrained=True explains how to convert and load them.
+_CFG = staged_cfg(
+    license='mit', origin_url='https://github.com/moabarar/qna', paper_ids='arXiv:2112.11435',
+    paper_name='Learned Queries for Efficient Local Attention',
+    notes=('official ImageNet-1k weights: Flax checkpoints linked from the origin_url README; '
+           'convert with `attnzoo convert`',))
 
 
 default_cfgs = generate_default_cfgs({
-    'qna_vit_tiny.in1k': _cfg(),
-    'qna_vit_tiny_7x7.in1k': _cfg(),
-    'qna_vit_small.in1k': _cfg(),
-    'qna_vit_base.in1k': _cfg(),
+    'qna_vit_tiny.in1k': dict(_CFG),
+    'qna_vit_tiny_7x7.in1k': dict(_CFG),
+    'qna_vit_small.in1k': dict(_CFG),
+    'qna_vit_base.in1k': dict(_CFG),
 })
 
 _TINY = dict(embed_dim=64, qna_depths=(2, 3, 2, 0), lsa_depths=(0, 0, 4, 2),

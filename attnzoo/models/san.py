@@ -32,19 +32,17 @@ works, non-square too. ``padding_mode='zeros'`` lowers the minimum to 32 px (not
 models' padding).
 """
 import re
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import BatchNormAct2d, ClassifierHead, DropPath, calculate_drop_path_rates
+from timm.layers import BatchNormAct2d, DropPath, calculate_drop_path_rates
 from timm.models import generate_default_cfgs
-from timm.models._manipulate import checkpoint_seq
 
 from ..layers import SAM
-from ._helpers import build_model, check_state_dict, per_stage, unwrap_checkpoint
+from ._helpers import check_state_dict, per_stage, rename_key, unwrap_checkpoint
 from ._registry import register_variants
-from ._staged import StagedModel
+from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
 __all__ = ["SAN", "checkpoint_filter_fn"]
 
@@ -94,8 +92,7 @@ class Bottleneck(nn.Module):
             padding_mode: str = 'reflect',
             drop_path: float = 0.,
             backend: Optional[str] = None,
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
@@ -112,25 +109,19 @@ class Bottleneck(nn.Module):
         return x + self.drop_path(self.conv(self.norm2(self.attn(self.norm1(x)))))
 
 
-class SANStage(nn.Module):
+class SANStage(Stage):
     """``downsample`` (a :class:`Transition`), then ``blocks``; NCHW in and out."""
 
     def __init__(self, in_chs: int, dim: int, depth: int, pre_norm: bool,
                  drop_path: Sequence[float], device=None, dtype=None, **block_kwargs):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
-        self.grad_checkpointing = False
         self.downsample = Transition(in_chs, dim, pre_norm, **dd)
         self.blocks = nn.Sequential(*[
             Bottleneck(dim, drop_path=drop_path[j], **block_kwargs, **dd) for j in range(depth)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.downsample(x)
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.blocks, x)
-        else:
-            x = self.blocks(x)
-        return x
+        return self.forward_blocks(self.downsample(x))
 
 
 def min_input_size(kernel_sizes: Sequence[int], padding_mode: str) -> int:
@@ -143,10 +134,8 @@ def min_input_size(kernel_sizes: Sequence[int], padding_mode: str) -> int:
 class SAN(StagedModel):
     """Self-attention network (SAN10 / 15 / 19, pairwise or patchwise).
 
-    Args:
-        in_chans: input image channels.
-        num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
-        global_pool: ``'avg'`` (official), any timm ``SelectAdaptivePool2d`` type, or ``''``.
+    Args (besides ``in_chans``, ``num_classes``, ``global_pool``, ``drop_rate``: see
+    :class:`~attnzoo.models._staged.StagedModel`):
         sa_type: ``'pairwise'`` or ``'patchwise'``.
         depths: blocks per stage.
         widths: channels per stage.
@@ -158,7 +147,6 @@ class SAN(StagedModel):
         mid_ratio: ``r2``: ``beta`` and the aggregation have ``width / r2`` channels.
         share_planes: channels sharing one attention weight.
         padding_mode: ``'reflect'`` (official; inputs >= 128 px) or ``'zeros'``.
-        drop_rate: dropout before the classifier.
         drop_path_rate: stochastic depth, linear from 0 over all blocks (official: none).
         backend: backend of the SAN ops for every layer (``None``: follow
             :mod:`attnzoo.backends`).
@@ -182,8 +170,7 @@ class SAN(StagedModel):
             drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             backend: Optional[str] = None,
-            device=None,
-            dtype=None,
+            device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
@@ -212,28 +199,16 @@ class SAN(StagedModel):
             self.feature_info.append(
                 dict(num_chs=widths[i], reduction=2 ** (i + 1), module=f'stages.{i}'))
             in_chs = widths[i]
-        self.stages = nn.Sequential(*stages)
-        self.num_features = in_chs
-        self.norm = BatchNormAct2d(in_chs, **dd)
-        self.head = ClassifierHead(in_chs, num_classes, pool_type=global_pool,
-                                   drop_rate=drop_rate, **dd)
-        self.head_hidden_size = in_chs * self.head.global_pool.feat_mult()
+        self.set_stages(stages, BatchNormAct2d(in_chs, **dd), global_pool)
         # Official init: PyTorch's defaults everywhere (nothing to do).
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         return set()  # the official recipe decays every parameter
 
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        take_indices = super().prune_intermediate_layers(indices, prune_norm, prune_head)
+    def stages_pruned(self) -> None:
         # Fewer stages, a smaller footprint at the last one: a smaller minimum input.
         self.min_size = min_input_size(self.kernel_sizes[:len(self.stages)], self.padding_mode)
-        return take_indices
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,10 +240,7 @@ def _official_to_timm(state_dict: Dict[str, torch.Tensor],
             k = f'norm.{m.group(2)}' if i == num_stages - 1 else \
                 f'stages.{i + 1}.downsample.norm.{m.group(2)}'
         else:
-            for pattern, repl in _OFFICIAL_MAP:
-                k, n = re.subn(pattern, repl, k)
-                if n:
-                    break
+            k = rename_key(k, _OFFICIAL_MAP)
         out[k] = v
     return out
 
@@ -292,36 +264,24 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: SAN) -> Dict[str, to
 # model creation, pretrained configs, registration
 # --------------------------------------------------------------------------------------------
 
-def _create_san(variant: str, pretrained: bool, model_args: Dict[str, Any], **kwargs) -> SAN:
-    kwargs = dict(model_args, **kwargs)  # the caller's kwargs override the variant's config
-    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (0,) * 5)))))
-    return build_model(
-        SAN, variant, pretrained, filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices), **kwargs)
+def _create_san(variant: str, pretrained: bool = False, **kwargs) -> SAN:
+    return build_staged(SAN, variant, pretrained, len(kwargs.get('depths', (0,) * 5)),
+                        checkpoint_filter_fn, **kwargs)
 
 
-def _cfg(**kwargs) -> Dict[str, Any]:
-    return {
-        # No Hub weights: the official checkpoints are on Google Drive (origin_url's README).
-        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
-        # reflection padding in the last stage (7x7, pad 3) needs a 4x4 map
-        'min_input_size': (3, 128, 128),
-        'crop_pct': 0.875, 'interpolation': 'bilinear', 'fixed_input_size': False,
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'stem.conv', 'classifier': 'head.fc',
-        'license': 'mit',
-        'paper_ids': 'arXiv:2004.13621',
-        'paper_name': 'Exploring Self-attention for Image Recognition',
-        'origin_url': 'https://github.com/hszhao/SAN',
-        'notes': ('official ImageNet-1k weights: the Google Drive folder linked from '
-                  'https://github.com/hszhao/SAN (not on the Hugging Face Hub); load with '
-                  "pretrained_cfg_overlay=dict(file='model_best.pth')",),
-        **kwargs,
-    }
+# No Hub weights: the official checkpoints are on Google Drive (origin_url's README).
+_CFG = staged_cfg(
+    # reflection padding in the last stage (7x7, pad 3) needs a 4x4 map
+    min_input_size=(3, 128, 128), interpolation='bilinear', license='mit',
+    paper_ids='arXiv:2004.13621', paper_name='Exploring Self-attention for Image Recognition',
+    origin_url='https://github.com/hszhao/SAN',
+    notes=('official ImageNet-1k weights: the Google Drive folder linked from '
+           'https://github.com/hszhao/SAN (not on the Hugging Face Hub); load with '
+           "pretrained_cfg_overlay=dict(file='model_best.pth')",))
 
 
 default_cfgs = generate_default_cfgs({
-    f'san{n}_{t}.in1k': _cfg() for n in (10, 15, 19) for t in ('pairwise', 'patchwise')
+    f'san{n}_{t}.in1k': dict(_CFG) for n in (10, 15, 19) for t in ('pairwise', 'patchwise')
 })
 
 _DEPTHS = {10: (2, 1, 2, 4, 1), 15: (3, 2, 3, 5, 2), 19: (3, 3, 4, 6, 3)}
