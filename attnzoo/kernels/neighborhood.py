@@ -220,8 +220,8 @@ def _na_bwd_dq_kernel(
     if RPB_GRAD:
         r = tl.arange(0, RY)[:, None]
         c = tl.arange(0, CX)[None, :]
-        tl.store(DRPB + tl.program_id(0).to(tl.int64) * (2 * KH - 1) * (2 * KW - 1) + r * (2 * KW - 1) + c,
-                 drpb, mask=(r < 2 * KH - 1) & (c < 2 * KW - 1))
+        table_out = DRPB + tl.program_id(0).to(tl.int64) * (2 * KH - 1) * (2 * KW - 1)
+        tl.store(table_out + r * (2 * KW - 1) + c, drpb, mask=(r < 2 * KH - 1) & (c < 2 * KW - 1))
 
 
 @triton.jit
@@ -235,7 +235,7 @@ def _na_bwd_dkdv_kernel(
         HAS_RPB: tl.constexpr, NREL: tl.constexpr, PRECISION: tl.constexpr):
     bh, b, h, gy, gx, LY, LX, ty0, tx0, ky, kx, valid_k, y, x = _program(
         heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
-    rows_base = bh.to(tl.int64) * H  # of this (batch, head) in LSE and DELTA
+    rows_base = bh.to(tl.int64) * H  # this (batch, head)'s first row in LSE and DELTA
     k = load_rows(K + b * skb + h * skh, y, x, sky, skx, skd, valid_k, D, BD)
     v = load_rows(V + b * svb + h * svh, y, x, svy, svx, svd, valid_k, DV, BDV)
     table = _rpb_table(RPB, h, KH, KW, NREL)
