@@ -16,6 +16,7 @@ from attnzoo.layers import NeighborhoodAttention2d
 from attnzoo.models.nat import NAT, checkpoint_filter_fn
 from attnzoo.profiling import count_params
 from hub_cache import offline_hf_cache, write_hf_cache
+from model_checks import check_grad_checkpointing, check_torchscript_and_fx, leaf_calls
 from checkpoint_layouts import nat_official_manifest, nat_official_to_transformers, nat_to_official
 from checkpoint_layouts import nat_to_transformers as to_transformers_layout
 
@@ -301,44 +302,15 @@ def test_forward_intermediates_and_prune():
 
 
 def test_grad_checkpointing_same_output():
-    model = _tiny().train()  # drop_path 0: train mode is deterministic
-    x = torch.randn(2, 3, 40, 40)
-    out = model(x)
-    out.square().mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    model.set_grad_checkpointing(True)
-    out2 = model(x)
-    out2.square().mean().backward()
-    torch.testing.assert_close(out2, out)
-    for g, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(p.grad, g)
+    check_grad_checkpointing(_tiny().train(), torch.randn(2, 3, 40, 40))  # no drop path
 
 
 def test_torchscript_and_fx():
-    from timm.layers import get_notrace_functions, get_notrace_modules
-    from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
-
-    model = _tiny()
-    x = torch.randn(1, 3, 40, 56)
-    with torch.no_grad():
-        ref = model(x)
-        scripted = torch.jit.script(model)
-        torch.testing.assert_close(scripted(x), ref)
-        # the scripted model still reads the context-variable backend switch at run time
-        with attnzoo.use_backend('cuda'), pytest.raises(Exception, match='cuda'):
-            scripted(x)
-        # as timm's test_model_forward_fx traces
-        kw = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(),
-                  param_shapes_constant=True)
-        train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=kw)
-        fx = create_feature_extractor(model, train_return_nodes=[train_nodes[-1]],
-                                      eval_return_nodes=[eval_nodes[-1]], tracer_kwargs=kw)
-        torch.testing.assert_close(next(iter(fx(x).values())), ref)
-        # FX leaves: the shape-dependent helpers are calls in the graph, not traced through
-        names = {str(n.target) for n in fx.graph.nodes if n.op == 'call_function'}
-        assert any('na2d_dispatch' in n for n in names)
-        assert any('pad_to_window' in n for n in names)
+    fx = check_torchscript_and_fx(_tiny(), torch.randn(1, 3, 40, 56))
+    # FX leaves: the shape-dependent helpers are calls in the graph, not traced through
+    names = leaf_calls(fx)
+    assert any('na2d_dispatch' in n for n in names)
+    assert any('pad_to_window' in n for n in names)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from attnzoo.layers import qna as qna_layers
 from attnzoo.models.qna_vit import QnAViT, checkpoint_filter_fn, read_checkpoint
 from attnzoo.profiling import count_macs, count_params
 from checkpoint_layouts import nest, qna_official_manifest, write_flax_checkpoint
+from model_checks import (check_compile_fullgraph, check_grad_checkpointing,
+                          check_torchscript_and_fx, leaf_calls)
 from oracles import gelu_tanh, layer_norm
 
 NAMES = ['qna_vit_tiny', 'qna_vit_tiny_7x7', 'qna_vit_small', 'qna_vit_base']
@@ -405,54 +407,18 @@ def test_forward_intermediates_and_prune():
 
 
 def test_grad_checkpointing_same_output():
-    model = _small().train()
-    x = torch.randn(2, 3, 40, 40)
-    out = model(x)
-    out.square().mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    model.set_grad_checkpointing(True)
-    out2 = model(x)
-    out2.square().mean().backward()
-    torch.testing.assert_close(out2, out)
-    for g, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(p.grad, g)
+    check_grad_checkpointing(_small().train(), torch.randn(2, 3, 40, 40))
 
 
 def test_torchscript_and_fx():
-    from timm.layers import get_notrace_functions, get_notrace_modules
-    from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
-
-    model = _small()
-    x = torch.randn(1, 3, 40, 56)
-    with torch.no_grad():
-        ref = model(x)
-        scripted = torch.jit.script(model)
-        torch.testing.assert_close(scripted(x), ref)
-        with attnzoo.use_backend('cuda'), pytest.raises(Exception, match='cuda'):
-            scripted(x)  # the scripted model still reads the backend switch at run time
-        kw = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(),
-                  param_shapes_constant=True)
-        train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=kw)
-        fx = create_feature_extractor(model, train_return_nodes=[train_nodes[-1]],
-                                      eval_return_nodes=[eval_nodes[-1]], tracer_kwargs=kw)
-        torch.testing.assert_close(next(iter(fx(x).values())), ref)
-        names = {str(n.target) for n in fx.graph.nodes if n.op == 'call_function'}
-        assert any('qna2d_dispatch' in n for n in names)
-        assert any('window_attention' in n for n in names)
+    names = leaf_calls(check_torchscript_and_fx(_small(), torch.randn(1, 3, 40, 56)))
+    assert any('qna2d_dispatch' in n for n in names)
+    assert any('window_attention' in n for n in names)
 
 
 def test_torch_compile_fullgraph_forward_backward():
-    model = _small().train()
-    x = torch.randn(2, 3, 36, 44)  # padded LSA windows and odd maps are compiled too
-    out_ref = model(x)
-    grads_ref = torch.autograd.grad(out_ref.square().sum(), list(model.parameters()))
-    compiled = torch.compile(model, backend='aot_eager', fullgraph=True)
-    out = compiled(x)
-    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    for g, g_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+    # padded LSA windows and odd maps are compiled too
+    check_compile_fullgraph(_small().train(), torch.randn(2, 3, 36, 44))
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])

@@ -15,6 +15,7 @@ from attnzoo.layers import SAM
 from attnzoo.models.san import SAN, checkpoint_filter_fn
 from attnzoo.profiling import count_macs, count_params
 from checkpoint_layouts import san_official_manifest, san_to_official, san_training_checkpoint
+from model_checks import check_compile_fullgraph, check_grad_checkpointing, check_torchscript_and_fx
 
 VARIANTS = [f'san{n}_{t}' for n in (10, 15, 19) for t in ('pairwise', 'patchwise')]
 DEPTHS = {10: (2, 1, 2, 4, 1), 15: (3, 2, 3, 5, 2), 19: (3, 3, 4, 6, 3)}
@@ -317,59 +318,22 @@ def test_forward_intermediates_and_prune():
 
 
 def test_grad_checkpointing_same_output():
-    model = _tiny(kernel_sizes=3).train()  # two blocks in stage 1
-    x = torch.randn(2, 3, 64, 64)
-    out = model(x)
-    out.square().mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    model.set_grad_checkpointing(True)
-    out2 = model(x)
-    out2.square().mean().backward()
-    torch.testing.assert_close(out2, out)
-    for g, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(p.grad, g)
+    check_grad_checkpointing(_tiny(kernel_sizes=3).train(), torch.randn(2, 3, 64, 64))
 
 
 @pytest.mark.parametrize('sa_type', ['pairwise', 'patchwise'])
 def test_torchscript_and_fx(sa_type):
-    from timm.layers import get_notrace_functions, get_notrace_modules
-    from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
-
-    model = _small(sa_type)
-    x = torch.randn(1, 3, 64, 72)
-    with torch.no_grad():
-        ref = model(x)
-        scripted = torch.jit.script(model)
-        torch.testing.assert_close(scripted(x), ref)
-        with attnzoo.use_backend('cuda'), pytest.raises(Exception, match='cuda'):
-            scripted(x)  # the scripted model still reads the backend switch at run time
-        kw = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(),
-                  param_shapes_constant=True)
-        train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=kw)
-        fx = create_feature_extractor(model, train_return_nodes=[train_nodes[-1]],
-                                      eval_return_nodes=[eval_nodes[-1]], tracer_kwargs=kw)
-        torch.testing.assert_close(next(iter(fx(x).values())), ref)
-        # every SAN op is a leaf of the graph (its argument checks depend on shapes)
-        ops = {n.args[0] for n in fx.graph.nodes
-               if n.op == 'call_function' and getattr(n.target, '__name__', '') == 'sa_op'}
-        assert ops == ({'subtraction', 'subtraction2', 'aggregation'} if sa_type == 'pairwise'
-                       else {'neighbours', 'aggregation'})
+    fx = check_torchscript_and_fx(_small(sa_type), torch.randn(1, 3, 64, 72))
+    # every SAN op is a leaf of the graph (its argument checks depend on shapes)
+    ops = {n.args[0] for n in fx.graph.nodes
+           if n.op == 'call_function' and getattr(n.target, '__name__', '') == 'sa_op'}
+    assert ops == ({'subtraction', 'subtraction2', 'aggregation'} if sa_type == 'pairwise'
+                   else {'neighbours', 'aggregation'})
 
 
 def test_torch_compile_fullgraph_forward_backward():
-    """One graph, forward and backward (aot_eager: Dynamo capture and AOT autograd without a
-    compiler run). Pairwise: its path holds every kind of op the patchwise one has."""
-    model = _small().train()
-    x = torch.randn(1, 3, 64, 72)
-    compiled = torch.compile(model, backend='aot_eager', fullgraph=True)
-    out_ref = model(x)
-    grads_ref = torch.autograd.grad(out_ref.square().sum(), list(model.parameters()))
-    out = compiled(x)
-    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    for g, g_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+    # pairwise: its path holds every kind of op the patchwise one has
+    check_compile_fullgraph(_small().train(), torch.randn(1, 3, 64, 72))
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
