@@ -51,7 +51,11 @@ def _backend_list(text: str) -> List[str]:
 
 def _check_model(parser: argparse.ArgumentParser, name: str) -> None:
     import timm
-    if timm.is_model(name.split(".", 1)[0]):
+    arch = name.split(".", 1)[0]
+    if timm.is_model(arch):
+        tags = timm.list_models(arch, include_tags=True)
+        if arch != name and name not in tags:
+            parser.error(f"unknown pretrained tag {name!r}; {arch}'s tags: {', '.join(tags)}")
         return
     close = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; `attnzoo list` names ours"
@@ -59,7 +63,11 @@ def _check_model(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def _cmd_list(args, parser) -> int:
-    for name in list_models(args.filter, pretrained=args.pretrained, family=args.family):
+    try:
+        names = list_models(args.filter, pretrained=args.pretrained, family=args.family)
+    except ValueError as e:
+        parser.error(str(e))
+    for name in names:
         print(name)
     return 0
 
@@ -108,8 +116,11 @@ def _cmd_bench(args, parser) -> int:
     x = torch.randn(args.batch_size, 3, size, size, device=device, dtype=dtype)
     try:
         macs = count_macs(model, (1, 3, size, size))
-    except ValueError as e:  # e.g. an image below the architecture's minimum
-        parser.error(f"--img-size {size}: {e}")
+    except (ValueError, AssertionError, RuntimeError) as e:
+        # the model rejects this input: below its minimum, or not the size a fixed-size model
+        # (timm's own ViTs assert it) was built for
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        parser.error(f"--img-size {size}: {args.model} cannot run a {size}x{size} input: {reason}")
     print(f"{args.model}: {count_params(model) / 1e6:.2f} M params, "
           f"{macs / 1e9:.2f} GMACs at {size}x{size}", flush=True)
     print(f"throughput, batch {args.batch_size}, {args.dtype} on {device}, "

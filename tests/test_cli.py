@@ -82,6 +82,10 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
     (["bench", "nat_mini", "--batch-size", "-1"], "--batch-size: must be >= 1"),
     (["bench", "nat_mini", "--steps", "0"], "--steps: must be >= 1"),
     (["bench", "nat_mini", "--steps", "many"], "--steps: invalid int value: 'many'"),
+    (["bench", "nat_mini.bogus"], "unknown pretrained tag 'nat_mini.bogus'; nat_mini's tags: "),
+    (["bench", "vit_tiny_patch16_224", "--img-size", "100"],
+     "--img-size 100: vit_tiny_patch16_224 cannot run a 100x100 input: "),
+    (["list", "--family", "bogus"], "family must be one of nat, qna_vit, quest_vit, san, got "),
     (["convert", "nat_mini", "/does/not/exist.pth", "out.safetensors"], "does not exist"),
     (["timm", "/does/not/train.py"], "does not exist"),
 ])

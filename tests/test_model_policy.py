@@ -33,21 +33,31 @@ def test_module_tree_in_timm_layout(name):
     assert model.output_fmt == "NCHW"
 
 
-@pytest.mark.parametrize("name", SPATIAL)
+@pytest.mark.parametrize("name", SMALLEST)
 def test_every_feature_cls_returns_the_stage_outputs(name, tmp_path):
+    """Every feature_cls gives forward_intermediates' maps; a token model (whose blocks output
+    token sequences, not maps) takes the getter only and says so for the others."""
     torch.manual_seed(0)
     source = timm.create_model(name).eval()
     path = tmp_path / "weights.pth"
     torch.save(source.state_dict(), path)
     x = _input(source)
-    with torch.no_grad():
-        expected = source.forward_intermediates(x, intermediates_only=True)
-    for feature_cls in (None, "getter", "hook", "fx"):
+    taps = ("hook", "fx", "dict")
+    if family(name).token_output:
+        for feature_cls in taps:
+            with pytest.raises(ValueError, match=f"'getter'.*got feature_cls='{feature_cls}'"):
+                timm.create_model(name, features_only=True, feature_cls=feature_cls)
+        taps = ()
+    for feature_cls in (None, "getter") + taps:
         kwargs = {} if feature_cls is None else dict(feature_cls=feature_cls)
         model = timm.create_model(name, features_only=True, pretrained=True,
                                   pretrained_cfg_overlay=dict(file=str(path)), **kwargs).eval()
         with torch.no_grad():
+            expected = source.forward_intermediates(
+                x, indices=list(model.feature_info.out_indices), intermediates_only=True)
             outs = model(x)
+        if feature_cls == "dict":  # {layer name: map}, in feature_info order
+            outs = list(outs.values())
         assert len(outs) == len(expected), feature_cls
         for o, e, chs, red in zip(outs, expected, model.feature_info.channels(),
                                   model.feature_info.reduction()):

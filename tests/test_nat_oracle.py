@@ -13,8 +13,9 @@ from oracles import gelu_exact, layer_norm, linear, neighborhood_attention
 EPS = 1e-5  # the official LayerNorm eps (PyTorch's default)
 
 
-def ref_block(x, w, prefix, heads, K, d):
-    """x: [B, H, W, C] -> the NAT block's output (spec: pre-norm, NA, MLP, layer scale)."""
+def ref_block(x, w, prefix, heads, K, d, layer_scale):
+    """x: [B, H, W, C] -> the NAT block's output (spec: pre-norm, NA, MLP, layer scale when
+    ``layer_scale``: then the gammas must be in ``w``)."""
     B, H, W, C = x.shape
     hd = C // heads
     h = layer_norm(x, w[prefix + "norm1.weight"], w[prefix + "norm1.bias"], EPS)
@@ -26,8 +27,8 @@ def ref_block(x, w, prefix, heads, K, d):
     a = neighborhood_attention(q, k, v, K, d, w[prefix + "attn.rpb"], hd ** -0.5)
     a = a.reshape(*h.shape[:3], C)[:, :H, :W]
     a = linear(a, w[prefix + "attn.proj.weight"], w[prefix + "attn.proj.bias"])
-    gamma1 = w.get(prefix + "ls1.gamma", 1.0)
-    gamma2 = w.get(prefix + "ls2.gamma", 1.0)
+    gamma1 = w[prefix + "ls1.gamma"] if layer_scale else 1.0
+    gamma2 = w[prefix + "ls2.gamma"] if layer_scale else 1.0
     x = x + gamma1 * a
     h = layer_norm(x, w[prefix + "norm2.weight"], w[prefix + "norm2.bias"], EPS)
     h = linear(gelu_exact(linear(h, w[prefix + "mlp.fc1.weight"], w[prefix + "mlp.fc1.bias"])),
@@ -35,7 +36,7 @@ def ref_block(x, w, prefix, heads, K, d):
     return x + gamma2 * h
 
 
-def ref_nat(img, w, depths, heads, K, dilations):
+def ref_nat(img, w, depths, heads, K, dilations, layer_scale):
     """The whole network (NAT paper, Fig. 2 and Sec. 3.2): conv stem, levels, downsamplers."""
     x = F.conv2d(img, w["stem.conv1.weight"], w["stem.conv1.bias"], stride=2, padding=1)
     x = F.conv2d(x, w["stem.conv2.weight"], w["stem.conv2.bias"], stride=2, padding=1)
@@ -47,7 +48,8 @@ def ref_nat(img, w, depths, heads, K, dilations):
             x = layer_norm(x, w[f"stages.{i}.downsample.norm.weight"],
                            w[f"stages.{i}.downsample.norm.bias"], EPS)
         for j in range(depth):
-            x = ref_block(x, w, f"stages.{i}.blocks.{j}.", heads[i], K, dilations[i][j])
+            x = ref_block(x, w, f"stages.{i}.blocks.{j}.", heads[i], K, dilations[i][j],
+                          layer_scale)
     x = layer_norm(x, w["norm.weight"], w["norm.bias"], EPS)
     return linear(x.mean((1, 2)), w["head.fc.weight"], w["head.fc.bias"])
 
@@ -73,7 +75,7 @@ def test_nat_matches_reference_forward(layer_scale):
     with torch.no_grad():
         out = model(img)
     expected = ref_nat(img, w, CFG["depths"], CFG["num_heads"], CFG["kernel_size"],
-                       CFG["dilations"])
+                       CFG["dilations"], layer_scale is not None)
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
 
 
@@ -84,7 +86,8 @@ def test_block_matches_reference():
     prefix = "stages.1.blocks.1."
     w = {k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)}
     with torch.no_grad():
-        torch.testing.assert_close(block(x), ref_block(x, w, "", 2, 3, 2), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(block(x), ref_block(x, w, "", 2, 3, 2, True),
+                                   rtol=1e-9, atol=1e-9)
 
 
 def test_oracle_catches_changed_activation_eps_and_layer_scale():
@@ -96,7 +99,7 @@ def test_oracle_catches_changed_activation_eps_and_layer_scale():
     def mismatch(model):
         with torch.no_grad():
             out = model(img)
-        ref = ref_nat(img, weights, CFG["depths"], CFG["num_heads"], 3, CFG["dilations"])
+        ref = ref_nat(img, weights, CFG["depths"], CFG["num_heads"], 3, CFG["dilations"], True)
         return not torch.allclose(out, ref, rtol=1e-9, atol=1e-9)
 
     assert not mismatch(_model(0.5))

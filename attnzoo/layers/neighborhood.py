@@ -53,7 +53,7 @@ def na2d_dispatch(
         scale: float,
         backend: Optional[str],
 ) -> torch.Tensor:
-    # Kept out of TorchScript: backend resolution reads a ContextVar, env vars and caches.
+    # Kept out of TorchScript: backend resolution reads thread-local state, env vars and caches.
     return na2d(q, k, v, kernel_size=kernel_size, dilation=dilation, rpb=rpb, scale=scale,
                 backend=backend)
 

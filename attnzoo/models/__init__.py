@@ -8,11 +8,13 @@ Module tree, in timm's layout and names
     ``head`` (timm's ``ClassifierHead``: ``head.fc``). A stage takes and returns NCHW maps
     (blocks may work on NHWC inside), so its output *is* its feature tap: ``feature_info[i]``
     names ``stages.{i}`` with its channels and reduction, and ``features_only=True`` returns the
-    same NCHW maps with every ``feature_cls`` (the default list, ``'hook'``, ``'fx'``,
+    same NCHW maps with every ``feature_cls`` (the default list, ``'hook'``, ``'fx'``, ``'dict'``,
     ``'getter'``). Blocks use timm's names: ``norm1``, ``attn``, ``ls1`` (``LayerScale``,
     ``ls1.gamma``), ``drop_path1``, ``norm2``, ``mlp`` (``Mlp``: ``fc1``/``fc2``), ``ls2``,
     ``drop_path2``. Token models (QUEST-ViT) *are* timm's ``VisionTransformer``, changed only
-    through its ``attn_layer`` hook, with its exact state dict.
+    through its ``attn_layer`` hook, with its exact state dict; their ``features_only`` maps
+    come from ``forward_intermediates`` (``feature_cls='getter'``), and any other
+    ``feature_cls``, which would tap token sequences, is a ``ValueError``.
 
 Layers come from ``timm.layers`` (LayerNorm / LayerNorm2d, Mlp, DropPath, LayerScale,
 ClassifierHead, trunc_normal_, calculate_drop_path_rates); attention from

@@ -44,6 +44,9 @@ def list_models(filter: Union[str, List[str]] = "", pretrained: bool = False,
     """attnzoo's model names (sorted), or with ``pretrained=True`` their pretrained tags
     (``nat_mini.in1k``); ``filter`` is a wildcard or a list of them, ``family`` a model module
     (``nat``, ``qna_vit``, ``san``, ``quest_vit``)."""
+    families = sorted(set(_FAMILIES.values()))
+    if family and family not in families:
+        raise ValueError(f"family must be one of {', '.join(families)}, got {family!r}")
     names = [n for n, f in _FAMILIES.items() if not family or f == family]
     if pretrained:
         names = timm.list_models(names, pretrained=True) if names else []

@@ -137,6 +137,13 @@ def _check_input(patch_embed: PatchEmbed, args: Tuple[torch.Tensor]) -> None:
 
 
 def _create_quest_vit(variant: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
+    feature_cls = kwargs.get('feature_cls', 'getter')
+    if kwargs.get('features_only') and isinstance(feature_cls, str) and feature_cls != 'getter':
+        # hooks / FX would tap the blocks' token sequences, not maps (timm's ViT fails at
+        # forward there); the getter returns forward_intermediates' NCHW maps
+        raise ValueError(f"{variant}: features_only supports feature_cls='getter' (the default) "
+                         f"for this token model, got feature_cls={feature_cls!r}: 'hook', 'fx' "
+                         "and 'dict' would return the blocks' [B, tokens, C] sequences, not maps")
     out_indices = kwargs.pop('out_indices', 3)
     attn_layer = kwargs.pop('attn_layer', 'quest')
     if isinstance(attn_layer, str) and attn_layer in FORMULATIONS:
