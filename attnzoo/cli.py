@@ -53,9 +53,10 @@ def _check_model(parser: argparse.ArgumentParser, name: str) -> None:
     import timm
     arch = name.split(".", 1)[0]
     if timm.is_model(arch):
-        tags = timm.list_models(arch, include_tags=True)
-        if arch != name and name not in tags:
-            parser.error(f"unknown pretrained tag {name!r}; {arch}'s tags: {', '.join(tags)}")
+        if arch != name:
+            tags = timm.list_models(arch, include_tags=True)
+            if name not in tags:
+                parser.error(f"unknown pretrained tag {name!r}; {arch}'s tags: {', '.join(tags)}")
         return
     close = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; `attnzoo list` names ours"
