@@ -40,14 +40,16 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 __all__ = [
-    "BACKENDS", "ENV_VAR", "BackendUnsupportedError", "Backend", "set_backend", "get_backend",
+    "BACKENDS", "CONCRETE_BACKENDS", "ENV_VAR", "BackendUnsupportedError", "Backend", "set_backend", "get_backend",
     "use_backend", "register_op", "registered_ops", "dispatch", "resolve", "available_backends",
     "supported_backends", "observe_ops", "op_examples",
 ]
 
 _logger = logging.getLogger(__name__)
 
-BACKENDS: Tuple[str, ...] = ("torch", "natten", "cuda", "auto")
+# The backends that run ops (the torch reference first), and every name a user may request.
+CONCRETE_BACKENDS: Tuple[str, ...] = ("torch", "natten", "cuda")
+BACKENDS: Tuple[str, ...] = CONCRETE_BACKENDS + ("auto",)
 ENV_VAR = "ATTNZOO_BACKEND"
 
 
@@ -161,10 +163,10 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
             families' real shapes, ``run(backend)`` returning its output (inputs require grad);
             what ``scripts/bench_ops.py`` times.
     """
-    unknown = set(backends) - set(BACKENDS[:-1])
+    unknown = set(backends) - set(CONCRETE_BACKENDS)
     if unknown:
         raise ValueError(f"op {name!r} registers unknown backends {sorted(unknown)}; "
-                         f"accepted: {', '.join(BACKENDS[:-1])}")
+                         f"accepted: {', '.join(CONCRETE_BACKENDS)}")
     if "torch" not in backends:
         raise ValueError(f"op {name!r} must register the 'torch' reference backend")
     _OPS[name] = _Op(dict(backends), order or (lambda key: tuple(backends)), key_type, macs,
