@@ -41,7 +41,7 @@ from timm.models import generate_default_cfgs
 
 from ..layers import SAM
 from ._helpers import check_state_dict, per_stage, rename_key, unwrap_checkpoint
-from ._registry import register_variants
+from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
 __all__ = ["SAN", "checkpoint_filter_fn"]
@@ -261,7 +261,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: SAN) -> Dict[str, to
 
 
 # --------------------------------------------------------------------------------------------
-# model creation, pretrained configs, registration
+# model creation, pretrained configs, entrypoints
 # --------------------------------------------------------------------------------------------
 
 def _create_san(variant: str, pretrained: bool = False, **kwargs) -> SAN:
@@ -286,18 +286,44 @@ default_cfgs = generate_default_cfgs({
 
 _DEPTHS = {10: (2, 1, 2, 4, 1), 15: (3, 2, 3, 5, 2), 19: (3, 3, 4, 6, 3)}
 
-register_variants(globals(), _create_san, {
-    'san10_pairwise': ("SAN10, pairwise (subtraction) attention: 10.5M params, 2.2 GMACs @ 224 "
-                       "by the official counter, 74.9% top-1.",
-                       dict(depths=_DEPTHS[10], sa_type='pairwise')),
-    'san10_patchwise': ("SAN10, patchwise (concatenation) attention: 11.8M params, 1.9 GMACs, "
-                        "77.1% top-1.", dict(depths=_DEPTHS[10], sa_type='patchwise')),
-    'san15_pairwise': ("SAN15, pairwise attention: 14.1M params, 3.0 GMACs, 76.6% top-1.",
-                       dict(depths=_DEPTHS[15], sa_type='pairwise')),
-    'san15_patchwise': ("SAN15, patchwise attention: 16.2M params, 2.6 GMACs, 78.0% top-1.",
-                        dict(depths=_DEPTHS[15], sa_type='patchwise')),
-    'san19_pairwise': ("SAN19, pairwise attention: 17.6M params, 3.8 GMACs, 76.9% top-1.",
-                       dict(depths=_DEPTHS[19], sa_type='pairwise')),
-    'san19_patchwise': ("SAN19, patchwise attention: 20.5M params, 3.3 GMACs, 78.2% top-1.",
-                        dict(depths=_DEPTHS[19], sa_type='patchwise')),
-})
+
+@register_model
+def san10_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN10, pairwise (subtraction): 10.5M params, 2.2 GMACs (official counter), 74.9% top-1."""
+    model_args = dict(depths=_DEPTHS[10], sa_type='pairwise')
+    return _create_san('san10_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san10_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN10, patchwise (concatenation): 11.8M params, 1.9 GMACs, 77.1% top-1."""
+    model_args = dict(depths=_DEPTHS[10], sa_type='patchwise')
+    return _create_san('san10_patchwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san15_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN15, pairwise attention: 14.1M params, 3.0 GMACs, 76.6% top-1."""
+    model_args = dict(depths=_DEPTHS[15], sa_type='pairwise')
+    return _create_san('san15_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san15_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN15, patchwise attention: 16.2M params, 2.6 GMACs, 78.0% top-1."""
+    model_args = dict(depths=_DEPTHS[15], sa_type='patchwise')
+    return _create_san('san15_patchwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san19_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN19, pairwise attention: 17.6M params, 3.8 GMACs, 76.9% top-1."""
+    model_args = dict(depths=_DEPTHS[19], sa_type='pairwise')
+    return _create_san('san19_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san19_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN19, patchwise attention: 20.5M params, 3.3 GMACs, 78.2% top-1."""
+    model_args = dict(depths=_DEPTHS[19], sa_type='patchwise')
+    return _create_san('san19_patchwise', pretrained, **dict(model_args, **kwargs))
