@@ -199,23 +199,16 @@ class NAT(StagedModel):
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
         num_stages = len(depths)
         heads = per_stage(num_heads, num_stages, "num_heads")
         kernel_sizes = per_stage(kernel_size, num_stages, "kernel_size")
         dilations = per_stage(1 if dilations is None else dilations, num_stages, "dilations")
         dilations = [per_stage(d, depth, f"dilations[{i}]")
                      for i, (d, depth) in enumerate(zip(dilations, depths))]
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.drop_rate = drop_rate
-        self.min_size = 1  # any size: small levels are padded (see the layer)
-        self.output_fmt = 'NCHW'
 
-        self.stem = Stem(in_chans, embed_dim, **dd)
+        stem = Stem(in_chans, embed_dim, **dd)
         dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
-        self.feature_info = []
-        stages = []
+        feature_info, stages = [], []
         in_dim = dim = embed_dim
         for i in range(num_stages):
             dim = embed_dim * 2 ** i
@@ -225,9 +218,13 @@ class NAT(StagedModel):
                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, rel_pos_bias=rel_pos_bias,
                 proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, layer_scale=layer_scale,
                 backend=backend, attn_norm=attn_norm, **dd))
-            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
+            feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
             in_dim = dim
-        self.set_stages(stages, LayerNorm2d(dim, eps=_LN_EPS, **dd), global_pool)
+        super().__init__(
+            stem=stem, stages=stages, norm=LayerNorm2d(dim, eps=_LN_EPS, **dd),
+            feature_info=feature_info, in_chans=in_chans,
+            min_size=1,  # any size: small levels are padded (see the layer)
+            num_classes=num_classes, global_pool=global_pool, drop_rate=drop_rate)
         self.apply(self._init_weights)
 
     @staticmethod

@@ -239,7 +239,6 @@ class QnAViT(StagedModel):
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
         check_attn_norm(attn_norm)   # also where no stage has LSA blocks
         num_stages = len(qna_depths)
         lsa_depths = per_stage(lsa_depths, num_stages, "lsa_depths")
@@ -247,18 +246,12 @@ class QnAViT(StagedModel):
         lsa_heads = per_stage(lsa_heads, num_stages, "lsa_heads")
         kernel_sizes = per_stage(kernel_size, num_stages, "kernel_size")
         window_sizes = per_stage(window_sizes, num_stages, "window_sizes")
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.drop_rate = drop_rate
-        self.min_size = 1
-        self.output_fmt = 'NCHW'
 
-        self.stem = Stem(in_chans, embed_dim, **dd)
+        stem = Stem(in_chans, embed_dim, **dd)
         # In execution order: stage i's downsampling block (from i = 1), LSA and QnA blocks.
         dpr = calculate_drop_path_rates(drop_path_rate,
                                         sum(lsa_depths) + sum(qna_depths) + num_stages - 1)
-        self.feature_info = []
-        stages = []
+        feature_info, stages = [], []
         dim = embed_dim
         for i in range(num_stages):
             in_dim, dim = dim, embed_dim * 2 ** i
@@ -271,8 +264,11 @@ class QnAViT(StagedModel):
                 kernel_sizes[i], window_sizes[i], stage_dpr, downsample=downsample,
                 num_queries=num_queries, mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate,
                 backend=backend, attn_norm=attn_norm, **dd))
-            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
-        self.set_stages(stages, LayerNorm2d(dim, eps=_LN_EPS, **dd), global_pool)
+            feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
+        super().__init__(
+            stem=stem, stages=stages, norm=LayerNorm2d(dim, eps=_LN_EPS, **dd),
+            feature_info=feature_info, in_chans=in_chans, min_size=1, num_classes=num_classes,
+            global_pool=global_pool, drop_rate=drop_rate)
         self.apply(self._init_weights)
 
     @staticmethod

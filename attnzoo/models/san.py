@@ -173,22 +173,13 @@ class SAN(StagedModel):
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
         num_stages = len(depths)
         widths = per_stage(widths, num_stages, "widths")
         kernel_sizes = per_stage(kernel_sizes, num_stages, "kernel_sizes")
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.drop_rate = drop_rate
-        self.output_fmt = 'NCHW'
-        self.kernel_sizes = kernel_sizes
-        self.padding_mode = padding_mode
-        self.min_size = min_input_size(kernel_sizes, padding_mode)
 
-        self.stem = Stem(in_chans, stem_width, **dd)
+        stem = Stem(in_chans, stem_width, **dd)
         dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
-        self.feature_info = []
-        stages = []
+        feature_info, stages = [], []
         in_chs = stem_width
         for i in range(num_stages):
             stages.append(SANStage(
@@ -196,10 +187,17 @@ class SAN(StagedModel):
                 kernel_size=kernel_sizes[i], sa_type=sa_type, relation=relation,
                 rel_ratio=rel_ratio, mid_ratio=mid_ratio, share_planes=share_planes,
                 padding_mode=padding_mode, backend=backend, **dd))
-            self.feature_info.append(
+            feature_info.append(
                 dict(num_chs=widths[i], reduction=2 ** (i + 1), module=f'stages.{i}'))
             in_chs = widths[i]
-        self.set_stages(stages, BatchNormAct2d(in_chs, **dd), global_pool)
+        super().__init__(
+            stem=stem, stages=stages, norm=BatchNormAct2d(in_chs, **dd),
+            feature_info=feature_info, in_chans=in_chans,
+            min_size=min_input_size(kernel_sizes, padding_mode), num_classes=num_classes,
+            global_pool=global_pool, drop_rate=drop_rate)
+        # for stages_pruned
+        self.kernel_sizes = kernel_sizes
+        self.padding_mode = padding_mode
         # Official init: PyTorch's defaults everywhere (nothing to do).
 
     @torch.jit.ignore
