@@ -24,9 +24,11 @@ import torch
 from . import __version__, backends
 from .convert import load_official, save_converted
 from .models import list_models
-from .profiling import count_macs, count_params, time_steps
+from .profiling import count_macs, count_params, first_line, model_step, time_steps
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# bench's rows: what auto picks, then every backend that runs ops
+_BENCH_BACKENDS = ("auto",) + backends.CONCRETE_BACKENDS
 
 
 def _int_at_least(minimum: int):
@@ -73,17 +75,6 @@ def _cmd_list(args, parser) -> int:
     return 0
 
 
-def _step(model, x, backward: bool):
-    """One benchmark step: inference, or forward+backward."""
-    if backward:
-        return lambda: model(x).float().logsumexp(-1).sum().backward()
-
-    def infer():
-        with torch.no_grad():
-            model(x)
-    return infer
-
-
 def _ops_used(model, x) -> Dict[str, str]:
     """The attnzoo ops one forward runs, each with the backend that ran it."""
     used: Dict[str, str] = {}
@@ -120,8 +111,8 @@ def _cmd_bench(args, parser) -> int:
     except (ValueError, AssertionError, RuntimeError) as e:
         # the model rejects this input: below its minimum, or not the size a fixed-size model
         # (timm's own ViTs assert it) was built for
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        parser.error(f"--img-size {size}: {args.model} cannot run a {size}x{size} input: {reason}")
+        parser.error(f"--img-size {size}: {args.model} cannot run a {size}x{size} input: "
+                     f"{first_line(e)}")
     print(f"{args.model}: {count_params(model) / 1e6:.2f} M params, "
           f"{macs / 1e9:.2f} GMACs at {size}x{size}", flush=True)
     print(f"throughput, batch {args.batch_size}, {args.dtype} on {device}, "
@@ -138,7 +129,7 @@ def _cmd_bench(args, parser) -> int:
             with backends.use_backend(name) if name else contextlib.nullcontext():
                 picked = _ops_used(model, x) if name == "auto" else {}
                 seconds = statistics.median(time_steps(
-                    _step(model, x, args.backward), device, args.warmup, args.steps))
+                    model_step(model, x, args.backward), device, args.warmup, args.steps))
         except backends.BackendUnsupportedError as e:
             print(f"unavailable ({e})", flush=True)
             continue
@@ -203,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
-    p.add_argument("--backends", type=_backend_list, default=["auto", "torch", "natten", "cuda"],
-                   help="comma-separated backends to time (default: auto,torch,natten,cuda)")
+    p.add_argument("--backends", type=_backend_list, default=list(_BENCH_BACKENDS),
+                   help=f"comma-separated backends to time, of {', '.join(backends.BACKENDS)} "
+                        f"(default: {','.join(_BENCH_BACKENDS)})")
     p.add_argument("--steps", type=_int_at_least(1), default=5)
     p.add_argument("--warmup", type=_int_at_least(0), default=1)
     p.add_argument("--threads", type=_int_at_least(0), default=0,

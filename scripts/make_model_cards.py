@@ -9,7 +9,6 @@ pretrained tags with where their weights come from.
 """
 import argparse
 import datetime
-import platform
 import statistics
 import sys
 
@@ -17,9 +16,8 @@ import timm
 import torch
 
 import attnzoo
-from attnzoo.cli import _step
 from attnzoo.models.quest_vit import TIMM_COUNTERPARTS
-from attnzoo.profiling import count_macs, count_params, time_steps
+from attnzoo.profiling import count_macs, count_params, device_name, model_step, time_steps
 
 
 def _config_line(model) -> str:
@@ -57,7 +55,7 @@ def card(name: str, args) -> str:
         model = timm.create_model(name).eval()
         x = torch.randn(args.batch_size, 3, size, size)
         with attnzoo.use_backend("torch"):
-            seconds = statistics.median(time_steps(_step(model, x, backward=False), "cpu",
+            seconds = statistics.median(time_steps(model_step(model, x), "cpu",
                                                    warmup=1, repeats=args.steps))
         lines.append(f"- Throughput ({args.where}): {args.batch_size / seconds:.2f} img/s "
                      f"at batch {args.batch_size}, fp32, torch backend")
@@ -88,8 +86,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--no-throughput", dest="throughput", action="store_false")
     args = parser.parse_args()
-    args.where = (f"{platform.processor() or platform.machine()}, "
-                  f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")
+    args.where = (f"{device_name('cpu')}, {torch.get_num_threads()} CPU threads, "
+                  f"torch {torch.__version__}")
     cards = []
     names = attnzoo.list_models()
     for i, name in enumerate(names):

@@ -51,10 +51,13 @@ The timm contract
     ``--drop-path`` overrides it).
 
 Registration
-    ``register_variants`` from :mod:`attnzoo.models._registry`: one timm entrypoint per row of
-    a family's table ``name: (docstring, config)``, registered by the module's
-    ``register_model`` (timm's, plus the record behind :func:`attnzoo.list_models`, the one
-    definition of "our models").
+    As timm's: one ``@register_model def <variant>(pretrained=False, **kwargs) -> <Model>`` per
+    variant in its family's module, below ``default_cfgs``: a one-line docstring (params,
+    GMACs), the variant's config as a dict (built on the family's shared config dicts) and a
+    call to the family's ``_create_*`` (the caller's kwargs override the config), so
+    ``grep "def nat_tiny"``, tracebacks and ``help()`` land on the variant. ``register_model``
+    is :mod:`attnzoo.models._registry`'s: timm's, plus the record behind
+    :func:`attnzoo.list_models` (the one definition of "our models").
 """
 from ._registry import list_models, model_family
 from . import nat, qna_vit, quest_vit, san  # noqa: F401

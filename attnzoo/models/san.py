@@ -41,7 +41,7 @@ from timm.models import generate_default_cfgs
 
 from ..layers import SAM
 from ._helpers import check_state_dict, per_stage, rename_key, unwrap_checkpoint
-from ._registry import register_variants
+from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
 __all__ = ["SAN", "checkpoint_filter_fn"]
@@ -173,22 +173,13 @@ class SAN(StagedModel):
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
         num_stages = len(depths)
         widths = per_stage(widths, num_stages, "widths")
         kernel_sizes = per_stage(kernel_sizes, num_stages, "kernel_sizes")
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.drop_rate = drop_rate
-        self.output_fmt = 'NCHW'
-        self.kernel_sizes = kernel_sizes
-        self.padding_mode = padding_mode
-        self.min_size = min_input_size(kernel_sizes, padding_mode)
 
-        self.stem = Stem(in_chans, stem_width, **dd)
+        stem = Stem(in_chans, stem_width, **dd)
         dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
-        self.feature_info = []
-        stages = []
+        feature_info, stages = [], []
         in_chs = stem_width
         for i in range(num_stages):
             stages.append(SANStage(
@@ -196,10 +187,17 @@ class SAN(StagedModel):
                 kernel_size=kernel_sizes[i], sa_type=sa_type, relation=relation,
                 rel_ratio=rel_ratio, mid_ratio=mid_ratio, share_planes=share_planes,
                 padding_mode=padding_mode, backend=backend, **dd))
-            self.feature_info.append(
+            feature_info.append(
                 dict(num_chs=widths[i], reduction=2 ** (i + 1), module=f'stages.{i}'))
             in_chs = widths[i]
-        self.set_stages(stages, BatchNormAct2d(in_chs, **dd), global_pool)
+        super().__init__(
+            stem=stem, stages=stages, norm=BatchNormAct2d(in_chs, **dd),
+            feature_info=feature_info, in_chans=in_chans,
+            min_size=min_input_size(kernel_sizes, padding_mode), num_classes=num_classes,
+            global_pool=global_pool, drop_rate=drop_rate)
+        # for stages_pruned
+        self.kernel_sizes = kernel_sizes
+        self.padding_mode = padding_mode
         # Official init: PyTorch's defaults everywhere (nothing to do).
 
     @torch.jit.ignore
@@ -261,7 +259,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: SAN) -> Dict[str, to
 
 
 # --------------------------------------------------------------------------------------------
-# model creation, pretrained configs, registration
+# model creation, pretrained configs, entrypoints
 # --------------------------------------------------------------------------------------------
 
 def _create_san(variant: str, pretrained: bool = False, **kwargs) -> SAN:
@@ -286,18 +284,44 @@ default_cfgs = generate_default_cfgs({
 
 _DEPTHS = {10: (2, 1, 2, 4, 1), 15: (3, 2, 3, 5, 2), 19: (3, 3, 4, 6, 3)}
 
-register_variants(globals(), _create_san, {
-    'san10_pairwise': ("SAN10, pairwise (subtraction) attention: 10.5M params, 2.2 GMACs @ 224 "
-                       "by the official counter, 74.9% top-1.",
-                       dict(depths=_DEPTHS[10], sa_type='pairwise')),
-    'san10_patchwise': ("SAN10, patchwise (concatenation) attention: 11.8M params, 1.9 GMACs, "
-                        "77.1% top-1.", dict(depths=_DEPTHS[10], sa_type='patchwise')),
-    'san15_pairwise': ("SAN15, pairwise attention: 14.1M params, 3.0 GMACs, 76.6% top-1.",
-                       dict(depths=_DEPTHS[15], sa_type='pairwise')),
-    'san15_patchwise': ("SAN15, patchwise attention: 16.2M params, 2.6 GMACs, 78.0% top-1.",
-                        dict(depths=_DEPTHS[15], sa_type='patchwise')),
-    'san19_pairwise': ("SAN19, pairwise attention: 17.6M params, 3.8 GMACs, 76.9% top-1.",
-                       dict(depths=_DEPTHS[19], sa_type='pairwise')),
-    'san19_patchwise': ("SAN19, patchwise attention: 20.5M params, 3.3 GMACs, 78.2% top-1.",
-                        dict(depths=_DEPTHS[19], sa_type='patchwise')),
-})
+
+@register_model
+def san10_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN10, pairwise (subtraction): 10.5M params, 2.2 GMACs (official counter), 74.9% top-1."""
+    model_args = dict(depths=_DEPTHS[10], sa_type='pairwise')
+    return _create_san('san10_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san10_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN10, patchwise (concatenation): 11.8M params, 1.9 GMACs, 77.1% top-1."""
+    model_args = dict(depths=_DEPTHS[10], sa_type='patchwise')
+    return _create_san('san10_patchwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san15_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN15, pairwise attention: 14.1M params, 3.0 GMACs, 76.6% top-1."""
+    model_args = dict(depths=_DEPTHS[15], sa_type='pairwise')
+    return _create_san('san15_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san15_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN15, patchwise attention: 16.2M params, 2.6 GMACs, 78.0% top-1."""
+    model_args = dict(depths=_DEPTHS[15], sa_type='patchwise')
+    return _create_san('san15_patchwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san19_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN19, pairwise attention: 17.6M params, 3.8 GMACs, 76.9% top-1."""
+    model_args = dict(depths=_DEPTHS[19], sa_type='pairwise')
+    return _create_san('san19_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san19_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN19, patchwise attention: 20.5M params, 3.3 GMACs, 78.2% top-1."""
+    model_args = dict(depths=_DEPTHS[19], sa_type='patchwise')
+    return _create_san('san19_patchwise', pretrained, **dict(model_args, **kwargs))
