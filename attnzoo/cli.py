@@ -215,8 +215,8 @@ def _cmd_publish(args, parser) -> int:
         print(f"        took {source}: {type(model).__name__}, {model.num_classes} classes, "
               "loaded strictly", flush=True)
         logits = hub.check_finite(model)
-        print(f"[2/{steps}] a forward on a random batch of "
-              f"{'x'.join(map(str, model.pretrained_cfg['input_size']))} images: finite",
+        print(f"[2/{steps}] logits of a random "
+              f"{'x'.join(map(str, model.pretrained_cfg['input_size']))} image: finite",
               flush=True)
         evaluation = None
         if args.eval_dir:

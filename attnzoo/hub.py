@@ -43,12 +43,11 @@ from .models import list_models, model_family
 from .models._helpers import HUB_ORG, hub_repo
 from .profiling import count_macs, count_params
 
-__all__ = ["read_checkpoint", "load_official", "save_converted", "load_checkpoint_model",
-           "evaluate", "model_card", "readme", "model_cards_markdown", "measure_facts",
-           "write_hub_folder", "check_reload", "check_repo_id", "check_out_dir", "check_token",
-           "upload", "config_line", "input_sizes",
-           "weights_source", "backends_here", "check_finite", "publish_table", "HUB_ORG",
-           "hub_repo", "PAPER_TOP1"]
+__all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "read_checkpoint", "load_official",
+           "save_converted", "load_checkpoint_model", "check_finite", "evaluate",
+           "measure_facts", "backends_here", "config_line", "input_sizes", "weights_source",
+           "model_card", "readme", "model_cards_markdown", "publish_table", "check_repo_id",
+           "check_out_dir", "write_hub_folder", "check_reload", "check_token", "upload"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -136,10 +135,11 @@ def _read_any(model_name: str, path: PathLike) -> Any:
 
 
 def _convert(model_name: str, checkpoint: Any, **model_kwargs) -> Dict[str, torch.Tensor]:
+    """``checkpoint`` through the family's filter onto ``timm.create_model(model_name,
+    **model_kwargs)`` (built on the meta device: only its keys and shapes are needed)."""
     import timm
-    module = _family_module(model_name)
     model = timm.create_model(model_name, pretrained=False, device="meta", **model_kwargs)
-    state_dict = module.checkpoint_filter_fn(checkpoint, model)
+    state_dict = _family_module(model_name).checkpoint_filter_fn(checkpoint, model)
     return {k: v.contiguous() for k, v in state_dict.items()}
 
 
@@ -168,8 +168,7 @@ def load_checkpoint_model(model_name: str, path: PathLike,
     import timm
 
     checkpoint = _read_any(model_name, path)
-    name = os.path.basename(os.fspath(path))
-    source = f"{name}"
+    name = source = os.path.basename(os.fspath(path))
     if isinstance(checkpoint, dict) and any(k in checkpoint for k in _TRAIN_KEYS):
         key = "state_dict_ema" if use_ema else "state_dict"
         if key not in checkpoint:
@@ -184,9 +183,7 @@ def load_checkpoint_model(model_name: str, path: PathLike,
         raise ValueError(f"{name} is not a train.py checkpoint with EMA weights "
                          f"(no 'state_dict_ema'); leave out --use-ema")
     state_dict = _convert(model_name, checkpoint)
-    cfg = timm.get_pretrained_cfg(model_name) or timm.create_model(model_name,
-                                                                    device="meta").pretrained_cfg
-    cfg = cfg if isinstance(cfg, dict) else cfg.to_dict()
+    cfg = timm.create_model(model_name, device="meta").pretrained_cfg
     kwargs = {}
     head = state_dict.get(f"{cfg['classifier']}.weight")
     if head is not None and head.shape[0] != cfg["num_classes"]:
@@ -194,7 +191,12 @@ def load_checkpoint_model(model_name: str, path: PathLike,
     stem = state_dict.get(f"{cfg['first_conv']}.weight")
     if stem is not None and stem.shape[1] != 3:
         kwargs["in_chans"] = stem.shape[1]
-    model = timm.create_model(model_name, pretrained=False, **kwargs)
+    model = timm.create_model(model_name, device="meta", **kwargs)
+    restored = model.state_dict().keys()
+    if all(name in restored for name, _ in model.named_buffers()):
+        model = model.to_empty(device="cpu")  # every value comes from the checkpoint: no init
+    else:  # a buffer the state dict does not restore needs the constructor's value
+        model = timm.create_model(model_name, **kwargs)
     try:
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as e:  # keys the filter leaves to timm (the classifier)
@@ -207,20 +209,20 @@ def load_checkpoint_model(model_name: str, path: PathLike,
 # measuring
 # ----------------------------------------------------------------------------------------------
 
-def _check_input(model: torch.nn.Module, batch: int = 1) -> torch.Tensor:
-    """A fixed random batch at the model's default input size (same values on every call)."""
-    size = model.pretrained_cfg["input_size"]
+def _check_input(model: torch.nn.Module) -> torch.Tensor:
+    """A fixed random image at the model's default input size (same values on every call)."""
     gen = torch.Generator().manual_seed(0)
-    return torch.randn(batch, *size, generator=gen)
+    return torch.randn(1, *model.pretrained_cfg["input_size"], generator=gen)
 
 
 def check_finite(model: torch.nn.Module) -> torch.Tensor:
     """The logits of :func:`_check_input`; ``ValueError`` if any is not finite."""
     with torch.no_grad():
         logits = model(_check_input(model))
-    if not torch.isfinite(logits).all():
-        raise ValueError(f"the model's logits are not finite ({int((~torch.isfinite(logits)).sum())}"
-                         f" of {logits.numel()} values): wrong or corrupted weights")
+    bad = int((~torch.isfinite(logits)).sum())
+    if bad:
+        raise ValueError(f"the model's logits are not finite ({bad} of {logits.numel()} "
+                         "values): wrong or corrupted weights")
     return logits
 
 
@@ -230,7 +232,6 @@ def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
     classes in sorted order as timm's ``validate.py`` takes them), with the model's eval
     transform (``resolve_data_config``), a progress bar on stderr."""
     from timm.data import create_dataset, create_loader, resolve_data_config
-    from timm.utils import accuracy
     from tqdm import tqdm
 
     image_dir = os.fspath(image_dir)
@@ -247,12 +248,12 @@ def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
                            use_prefetcher=False, interpolation=cfg["interpolation"],
                            mean=cfg["mean"], std=cfg["std"], crop_pct=cfg["crop_pct"],
                            crop_mode=cfg["crop_mode"], num_workers=workers)
-    correct1 = correct5 = 0.0
+    correct1 = correct5 = 0
     with torch.no_grad():
         for x, y in tqdm(loader, desc="eval", unit="batch"):
-            top1, top5 = accuracy(model(x), y, topk=(1, min(5, model.num_classes)))
-            correct1 += top1.item() * len(y) / 100
-            correct5 += top5.item() * len(y) / 100
+            top = model(x).topk(min(5, model.num_classes), dim=-1).indices
+            correct1 += int((top[:, 0] == y).sum())
+            correct5 += int((top == y[:, None]).any(-1).sum())
     n = len(dataset)
     return {"top1": 100 * correct1 / n, "top5": 100 * correct5 / n, "images": n}
 
@@ -398,7 +399,7 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         details["Throughput"] = throughput
     load = f"hf-hub:{repo_id}" if repo_id else name
     usage = ("```python\nimport timm\nimport torch\n\n"
-             "import attnzoo  # registers attnzoo's models with timm: import it before create_model\n\n"
+             "import attnzoo  # registers attnzoo's models with timm: before create_model\n\n"
              f"model = timm.create_model('{load}', pretrained={bool(repo_id or tag)}).eval()\n"
              "data_config = timm.data.resolve_model_data_config(model)\n"
              "transform = timm.data.create_transform(**data_config, is_training=False)\n"

@@ -119,9 +119,10 @@ def test_official_checkpoint_publishes_a_folder_that_loads_identically_everywher
         models = [timm.create_model(f"hf-hub:{repo_id}", pretrained=True)]
         if timm.get_pretrained_cfg(tag).hf_hub_id == home:  # NAT's tags load the authors' repos
             models.append(timm.create_model(tag, pretrained=True))
+    want = _logits(models[0], size)
     for model in models:
         _assert_state_dict(model, converted)
-        assert torch.equal(_logits(model, size), _logits(models[0], size))
+        assert torch.equal(_logits(model, size), want)
 
     arch = tag.split(".")[0]
     config = json.loads((out / "config.json").read_text())
@@ -195,8 +196,15 @@ def test_train_checkpoint_publishes_the_weights_asked_for(tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert config["num_classes"] == 10 and "label_names" not in config
     assert "model_args" not in config  # nothing but the classes differs from the defaults
+    model.load_state_dict(saved["state_dict_ema"])
+    hub.check_reload(model, out)  # what publish did before writing "logits identical"
+    with torch.no_grad():
+        model.head.bias[0] += 1e-3
+    with pytest.raises(ValueError, match=r"logits differ from the source's .*nothing uploaded"):
+        hub.check_reload(model, out)
 
     model.load_state_dict(saved["state_dict_ema"])
+    model.eval()
     mean, std = (torch.tensor(model.pretrained_cfg[k]) for k in ("mean", "std"))
     x = torch.stack([((torch.tensor(c, dtype=torch.float32) / 255 - mean) / std)[:, None, None]
                      .expand(3, 224, 224) for c, _ in images])
@@ -266,7 +274,12 @@ def test_upload_round_trip_through_a_hub_server(tmp_path):
         assert arrived == {p.name: p.read_bytes() for p in out.iterdir()}
         assert server.repos[repo_id].private
         script = (
-            "import os, sys, safetensors.torch, timm, torch, attnzoo\n"
+            "import os, sys, safetensors.torch, timm, torch\n"
+            "try:\n"
+            f"    timm.create_model('hf-hub:{repo_id}', pretrained=True)\n"
+            "except RuntimeError as e:\n"
+            "    print('WITHOUT ATTNZOO:', e)\n"
+            "import attnzoo\n"
             "token = os.environ.pop('HF_TOKEN')\n"
             "try:\n"
             f"    timm.create_model('{tag}', pretrained=True)\n"
@@ -289,6 +302,8 @@ def test_upload_round_trip_through_a_hub_server(tmp_path):
         assert reload.returncode == 0, reload.stderr
     for name in (tag, f"hf-hub:{repo_id}"):
         assert f"{name} weights identical: True logits finite: True" in reload.stdout
+    # timm alone knows no attnzoo architecture (its own message: the card says import attnzoo)
+    assert "WITHOUT ATTNZOO: Unknown model (san10_pairwise)" in reload.stdout
     no_token = reload.stdout.split("NO TOKEN:", 1)[1].splitlines()[0]
     assert f"Hub repo {repo_id}: not found" in no_token and "private" in no_token
     assert "attnzoo convert san10_pairwise" in no_token
