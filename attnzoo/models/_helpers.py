@@ -91,7 +91,7 @@ def _check_hub_weights(tag: str, variant: str, cfg: PretrainedCfg) -> None:
     why = _hub_problem(repo, filenames)
     if why is None:
         return
-    where = f"{filenames[-1]} from https://huggingface.co/{hf_split(repo)[0]}"
+    where = f"{' or '.join(filenames)} from https://huggingface.co/{hf_split(repo)[0]}"
     if cfg.origin_url and 'huggingface.co' not in cfg.origin_url:
         where += f" (or the official checkpoint from {cfg.origin_url})"
     raise OSError(f"{tag}: cannot load its weights from the Hugging Face Hub repo {repo}: "
