@@ -8,11 +8,12 @@ Paper: `Learned Queries for Efficient Local Attention` - https://arxiv.org/abs/2
   year      = {2022},
 }
 
-Official code and weights (JAX/Flax, MIT license): https://github.com/moabarar/qna. The weights
-are only behind the authors' download link, as Flax checkpoints: :func:`read_checkpoint` reads
-them (msgpack + numpy, no JAX) and :func:`checkpoint_filter_fn` converts them;
-``attnzoo convert qna_vit_tiny checkpoint_N qna_vit_tiny.safetensors`` then
-``timm.create_model('qna_vit_tiny', pretrained=True,
+Official code and weights (JAX/Flax, MIT license): https://github.com/moabarar/qna. The authors
+publish the weights as Flax checkpoints behind a download link: :func:`read_checkpoint` reads
+them (msgpack + numpy, no JAX) and :func:`checkpoint_filter_fn` converts them. ``attnzoo
+publish`` puts the converted weights in the project's Hub repos (``attnzoo/qna_vit_tiny.in1k``),
+which ``pretrained=True`` loads; a local copy loads with ``attnzoo convert qna_vit_tiny
+checkpoint_N qna_vit_tiny.safetensors`` and ``timm.create_model('qna_vit_tiny', pretrained=True,
 pretrained_cfg_overlay=dict(file='qna_vit_tiny.safetensors'))``.
 
 Architecture: a 4x4 stride-4 patch conv, four stages of pre-norm blocks (LayerNorm eps 1e-6,
@@ -56,7 +57,7 @@ from timm.models import generate_default_cfgs, register_notrace_function
 
 from ..layers import LocalSelfAttention, QnA
 from ..layers.quest import check_attn_norm
-from ._helpers import check_state_dict, per_stage, unwrap_checkpoint
+from ._helpers import check_state_dict, hub_repo, per_stage, unwrap_checkpoint
 from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
@@ -518,20 +519,16 @@ def _create_qna_vit(variant: str, pretrained: bool = False, **kwargs) -> QnAViT:
                         checkpoint_filter_fn, **kwargs)
 
 
-# The official weights exist only behind the authors' download link (Flax files): no hf_hub_id /
-# url. pretrained=True explains how to convert and load them.
+# The official weights are Flax checkpoints behind the authors' download link; `attnzoo publish`
+# converts them into the project's Hub repos (hub_repo), which pretrained=True loads.
 _CFG = staged_cfg(
     license='mit', origin_url='https://github.com/moabarar/qna', paper_ids='arXiv:2112.11435',
-    paper_name='Learned Queries for Efficient Local Attention',
-    notes=('official ImageNet-1k weights: Flax checkpoints linked from the origin_url README; '
-           'convert with `attnzoo convert`',))
+    paper_name='Learned Queries for Efficient Local Attention')
 
 
 default_cfgs = generate_default_cfgs({
-    'qna_vit_tiny.in1k': dict(_CFG),
-    'qna_vit_tiny_7x7.in1k': dict(_CFG),
-    'qna_vit_small.in1k': dict(_CFG),
-    'qna_vit_base.in1k': dict(_CFG),
+    tag: dict(_CFG, hf_hub_id=hub_repo(tag)) for tag in (
+        'qna_vit_tiny.in1k', 'qna_vit_tiny_7x7.in1k', 'qna_vit_small.in1k', 'qna_vit_base.in1k')
 })
 
 _TINY = dict(embed_dim=64, qna_depths=(2, 3, 2, 0), lsa_depths=(0, 0, 4, 2),

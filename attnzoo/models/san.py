@@ -9,8 +9,9 @@ Paper: `Exploring Self-attention for Image Recognition` - https://arxiv.org/abs/
 }
 
 Official code and weights: https://github.com/hszhao/SAN (MIT); the trained models are on the
-Google Drive folder its README links. They are not on the Hugging Face Hub: download one, then
-``attnzoo convert san10_pairwise model_best.pth san10_pairwise.safetensors`` and load it with
+Google Drive folder its README links. ``attnzoo publish`` puts them in the project's Hub repos
+(``attnzoo/san10_pairwise.in1k``), which ``pretrained=True`` loads; a local copy loads with
+``attnzoo convert san10_pairwise model_best.pth san10_pairwise.safetensors`` and
 ``timm.create_model('san10_pairwise', pretrained=True,
 pretrained_cfg_overlay=dict(file='san10_pairwise.safetensors'))`` (the official ``.pth`` loads
 the same way directly).
@@ -40,7 +41,7 @@ from timm.layers import BatchNormAct2d, DropPath, calculate_drop_path_rates
 from timm.models import generate_default_cfgs
 
 from ..layers import SAM
-from ._helpers import check_state_dict, per_stage, rename_key, unwrap_checkpoint
+from ._helpers import check_state_dict, hub_repo, per_stage, rename_key, unwrap_checkpoint
 from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
@@ -267,19 +268,18 @@ def _create_san(variant: str, pretrained: bool = False, **kwargs) -> SAN:
                         checkpoint_filter_fn, **kwargs)
 
 
-# No Hub weights: the official checkpoints are on Google Drive (origin_url's README).
+# The official checkpoints are on the Google Drive folder origin_url's README links; `attnzoo
+# publish` converts them into the project's Hub repos (hub_repo), which pretrained=True loads.
 _CFG = staged_cfg(
     # reflection padding in the last stage (7x7, pad 3) needs a 4x4 map
     min_input_size=(3, 128, 128), interpolation='bilinear', license='mit',
     paper_ids='arXiv:2004.13621', paper_name='Exploring Self-attention for Image Recognition',
-    origin_url='https://github.com/hszhao/SAN',
-    notes=('official ImageNet-1k weights: the Google Drive folder linked from '
-           'https://github.com/hszhao/SAN (not on the Hugging Face Hub); load with '
-           "pretrained_cfg_overlay=dict(file='model_best.pth')",))
+    origin_url='https://github.com/hszhao/SAN')
 
 
 default_cfgs = generate_default_cfgs({
-    f'san{n}_{t}.in1k': dict(_CFG) for n in (10, 15, 19) for t in ('pairwise', 'patchwise')
+    tag: dict(_CFG, hf_hub_id=hub_repo(tag))
+    for tag in (f'san{n}_{t}.in1k' for n in (10, 15, 19) for t in ('pairwise', 'patchwise'))
 })
 
 _DEPTHS = {10: (2, 1, 2, 4, 1), 15: (3, 2, 3, 5, 2), 19: (3, 3, 4, 6, 3)}
