@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 import pytest
-import timm
 import torch
 
 import attnzoo

@@ -7,14 +7,19 @@ ClassificationTask). The overrides are only sizes, epochs and the lr: the recipe
 global batch. The clean validation loss falls; timm's CheckpointSaver writes the checkpoints
 train.py writes; resuming one (train.py's ``--resume``) restores the model and optimizer exactly.
 QUEST's DeiT-3 recipe hands phase 1's checkpoint to phase 2 the way its config says.
+
+With ``ATTNZOO_TIMM_CHECKOUT`` set to a timm clone, the ``slow`` tier runs that clone's own
+train.py from each of these configs (``python -m attnzoo timm train.py --config ...``), one
+epoch and a resumed second one.
 """
-import argparse
-import copy
+import csv
+import os
+import subprocess
+import sys
 
 import numpy as np
 import PIL.ImageOps
 import pytest
-import timm
 import torch
 from PIL import Image
 from timm.data import create_dataset
@@ -179,3 +184,35 @@ def test_deit3_phase2_loads_phase1_checkpoint_as_its_config_says(image_folder, t
         if key != "pos_embed":
             assert torch.equal(phase2[key], value), key
     assert _evaluate(model2, val)[0].shape == (4 * CLASSES, CLASSES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name", sorted(SMOKE, key=list(timm_train.TINY).index),
+                         ids=lambda n: n.split("_")[0])
+def test_timm_train_py_trains_an_epoch_from_the_config_and_resumes(
+        config_name, image_folder, tmp_path):
+    checkout = os.environ.get("ATTNZOO_TIMM_CHECKOUT")
+    if not checkout:
+        pytest.skip("set ATTNZOO_TIMM_CHECKOUT to a timm clone to run its train.py")
+    model = timm_train.read_config(timm_train.CONFIGS / f"{config_name}.yaml")["model"]
+    command = [
+        sys.executable, "-m", "attnzoo", "timm", "train.py",
+        "--config", str(timm_train.CONFIGS / f"{config_name}.yaml"),
+        "--data-dir", str(image_folder), "--device", "cpu", "--img-size", "32", "-b", "8",
+        "--warmup-epochs", "0", "--cooldown-epochs", "0", "--workers", "0", "--num-classes",
+        str(CLASSES), "--aug-repeats", "0", "--amp-dtype", "bfloat16", "--output", str(tmp_path),
+        "--model-kwargs", *[f"{k}={v!r}" for k, v in timm_train.TINY[model].items()]]
+
+    def train(*extra):
+        proc = subprocess.run([*command, *extra], cwd=checkout, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    train("--epochs", "1", "--experiment", "first")
+    last = tmp_path / "first" / "last.pth.tar"
+    assert last.is_file()
+    log = train("--epochs", "2", "--experiment", "resumed", "--resume", str(last))
+    assert "Train: 1 [" in log and "Train: 0 [" not in log  # resumed at the second epoch
+    with open(tmp_path / "resumed" / "summary.csv") as f:
+        assert [row["epoch"] for row in csv.DictReader(f)] == ["1"]
