@@ -205,7 +205,7 @@ def test_timm_train_py_trains_an_epoch_from_the_config_and_resumes(
 
     def train(*extra):
         proc = subprocess.run([*command, *extra], cwd=checkout, capture_output=True, text=True,
-                              timeout=900)
+                              timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stderr
 
