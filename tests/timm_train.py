@@ -86,7 +86,7 @@ def data_config(args: argparse.Namespace, model: torch.nn.Module) -> Dict[str, A
     return resolve_data_config(vars(args), model=model)
 
 
-def create_train_loader(args, dataset, cfg: Dict[str, Any], distributed: bool = False):
+def create_train_loader(args, dataset, cfg: Dict[str, Any]):
     """train.py's training loader, without its prefetcher (``--no-prefetcher``: random erasing
     then sits at the end of the transform instead of in the prefetcher)."""
     interpolation = args.train_interpolation
@@ -100,7 +100,7 @@ def create_train_loader(args, dataset, cfg: Dict[str, Any], distributed: bool = 
         color_jitter_prob=args.color_jitter_prob, grayscale_prob=args.grayscale_prob,
         gaussian_blur_prob=args.gaussian_blur_prob, auto_augment=args.aa,
         num_aug_repeats=args.aug_repeats, interpolation=interpolation, mean=cfg["mean"],
-        std=cfg["std"], num_workers=args.workers, distributed=distributed, use_prefetcher=False)
+        std=cfg["std"], num_workers=args.workers, use_prefetcher=False)
 
 
 def create_eval_loader(args, dataset, cfg: Dict[str, Any]):
@@ -110,8 +110,12 @@ def create_eval_loader(args, dataset, cfg: Dict[str, Any]):
         std=cfg["std"], num_workers=args.workers, use_prefetcher=False)
 
 
+def _mixup_active(args: argparse.Namespace) -> bool:
+    return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
+
+
 def create_mixup(args: argparse.Namespace) -> Optional[Mixup]:
-    if not (args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None):
+    if not _mixup_active(args):
         return None
     return Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
                  cutmix_minmax=args.cutmix_minmax, prob=args.mixup_prob,
@@ -123,8 +127,7 @@ def create_loss(args: argparse.Namespace) -> torch.nn.Module:
     """The training loss train.py picks (no JSD: no config uses augmentation splits)."""
     bce = dict(target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum,
                pos_weight=args.bce_pos_weight)
-    if args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None:
-        # mixup's soft targets carry the smoothing
+    if _mixup_active(args):  # mixup's soft targets carry the smoothing
         return BinaryCrossEntropy(**bce) if args.bce_loss else SoftTargetCrossEntropy()
     if args.smoothing:
         return (BinaryCrossEntropy(smoothing=args.smoothing, **bce) if args.bce_loss
