@@ -7,6 +7,9 @@
 ``attnzoo publish MODEL[.TAG] CKPT --repo-id ORG/NAME``  a checkpoint -> a checked Hub repo
 ``attnzoo timm SCRIPT.py [ARGS...]``    run one of timm's scripts with attnzoo's models registered
 
+Also ``python -m attnzoo ...``, which works as one process of a torchrun launch, from a timm clone
+too: ``torchrun --nproc_per_node=N -m attnzoo timm train.py --config ...`` (README "Train").
+
 A user's mistake (unknown model or backend, a size <= 0, a checkpoint that does not match) is
 reported in one line, argparse-style, with exit status 2 and no traceback.
 """
