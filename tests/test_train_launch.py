@@ -72,11 +72,14 @@ def test_train_py_in_a_clone_under_torchrun_imports_the_installed_timm_with_pyth
         "importlib.import_module('attnzoo')\n"
         "total = torch.ones(1)\n"
         "torch.distributed.all_reduce(total)\n"
-        "print('rank', Args.rank, 'of', int(total.item()), 'timm', timm.__file__)\n"
+        # one file per rank: the ranks' prints share torchrun's stdout and can interleave
+        "open(f'rank{Args.rank}.txt', 'w').write("
+        "f'rank {Args.rank} of {int(total.item())} timm {timm.__file__}')\n"
         "torch.distributed.destroy_process_group()\n")
     proc = _run([*TORCHRUN, "train.py"], cwd=clone, PYTHONSAFEPATH="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(re.findall(r"rank (\d) of (\d) timm (\S+)", proc.stdout))
+    lines = sorted(re.findall(r"rank (\d) of (\d) timm (\S+)", "\n".join(
+        f.read_text() for f in clone.glob("rank*.txt"))))
     assert [line[:2] for line in lines] == [("0", "2"), ("1", "2")]
     assert all(str(clone) not in line[2] for line in lines)
 
