@@ -42,7 +42,7 @@ import torch
 __all__ = [
     "BACKENDS", "CONCRETE_BACKENDS", "ENV_VAR", "BackendUnsupportedError", "Backend", "set_backend", "get_backend",
     "use_backend", "register_op", "registered_ops", "dispatch", "resolve", "available_backends",
-    "supported_backends", "observe_ops", "op_examples",
+    "supported_backends", "observe_ops", "op_examples", "exporting",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ class _Op(NamedTuple):
     key_type: Callable[..., tuple]
     macs: Callable[..., int]
     examples: Optional[Examples]
+    export: Callable[..., Any]
 
 
 _OPS: Dict[str, _Op] = {}
@@ -147,7 +148,8 @@ _OPS: Dict[str, _Op] = {}
 def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..., int],
                 key_type: Callable[..., tuple] = tuple,
                 order: Optional[Callable[[tuple], Sequence[str]]] = None,
-                examples: Optional[Examples] = None) -> None:
+                examples: Optional[Examples] = None,
+                export: Optional[Callable[..., Any]] = None) -> None:
     """Register (or replace) op ``name``.
 
     Args:
@@ -162,6 +164,9 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
         examples: ``examples(device, dtype) -> [(label, run)]``: calls of the public op at the
             families' real shapes, ``run(backend)`` returning its output (inputs require grad);
             what ``scripts/bench_ops.py`` times.
+        export: the op's exportable formula, same arguments as the implementations (default:
+            the torch reference): what every call runs while :func:`exporting`, whatever the
+            backend (see :mod:`attnzoo.ops`).
     """
     unknown = set(backends) - set(CONCRETE_BACKENDS)
     if unknown:
@@ -170,7 +175,7 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
     if "torch" not in backends:
         raise ValueError(f"op {name!r} must register the 'torch' reference backend")
     _OPS[name] = _Op(dict(backends), order or (lambda key: tuple(backends)), key_type, macs,
-                     examples)
+                     examples, export or backends["torch"].impl)
     _resolve.cache_clear()
 
 
@@ -276,10 +281,24 @@ def observe_ops(observer: Callable[[str, str, int], ContextManager]) -> Iterator
         _observers.remove(observer)
 
 
+# torch.export (the ONNX dynamo exporter included) sets this flag; torch < 2.5 has no such flag.
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def exporting() -> bool:
+    """Whether the running code is being traced for export: by ``torch.export`` (which the ONNX
+    dynamo exporter runs) or by ``torch.jit.trace`` (which the TorchScript ONNX exporter
+    runs). Ops then run their exportable formula, whatever the backend."""
+    return _is_exporting() or torch.jit.is_tracing()
+
+
 def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
     """Run ``op`` for call ``key`` on the backend the selection rules give; ``args`` (already
-    validated by the public op) go to the implementation unchanged."""
+    validated by the public op) go to the implementation unchanged. While :func:`exporting`,
+    the op's export formula runs instead, and no backend is resolved."""
     spec = _OPS[op]
+    if exporting():
+        return spec.export(*args)
     name = resolve(op, key, backend)
     impl = spec.backends[name].impl
     if not _observers:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import backends
 
-__all__ = ["na1d", "na2d", "na_reference"]
+__all__ = ["na1d", "na2d", "na_reference", "na_export"]
 
 IntOrTuple = Union[int, Sequence[int]]
 
@@ -305,6 +305,72 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# export formula
+# --------------------------------------------------------------------------------------------
+
+def _axis_neighbours(L, K: int, d: int, device: torch.device
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For each position of an axis of length ``L`` (an int, or a size traced for export): its
+    ``K`` key positions and their rpb offsets, ``[L * K]`` each (position-major); tensor ops
+    only, so that an exported graph derives them from the input's shape."""
+    i = torch.arange(L, device=device)
+    if d == 1:
+        start = torch.minimum(torch.clamp(i - K // 2, min=0), L - K - i + i)
+        key = start.unsqueeze(1) + torch.arange(K, device=device)
+        return key.reshape(-1), (key - i.unsqueeze(1) + K - 1).reshape(-1)
+    # operands are >= 0: truncating division is floor division, and exports to one node
+    g, ip = i % d, torch.div(i, d, rounding_mode="trunc")
+    group_len = torch.div(L - g + d - 1, d, rounding_mode="trunc")
+    start = torch.minimum(torch.clamp(ip - K // 2, min=0), group_len - K).unsqueeze(1)
+    key_ip = start + torch.arange(K, device=device)
+    return ((key_ip * d + g.unsqueeze(1)).reshape(-1),
+            (key_ip - ip.unsqueeze(1) + K - 1).reshape(-1))
+
+
+def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
+              dilation: Tuple[int, ...], rpb: Optional[torch.Tensor],
+              scale: float) -> torch.Tensor:
+    """NA as an export graph, one per axis count whatever the input size and kernel: each
+    axis's window indices are computed from the input's shape, keys and values are gathered one
+    axis at a time (``[.., L_0, K_0, L_1, K_1, ..]``, the product of the axes' windows), and
+    the softmax runs over each query's ``K**n`` keys. It holds ``K**n`` copies of k and v,
+    which inference affords."""
+    n = len(kernel_size)
+    B, spatial, heads = q.shape[0], q.shape[1:1 + n], q.shape[-2]
+    axes = [_axis_neighbours(L, K, d, q.device)
+            for L, K, d in zip(spatial, kernel_size, dilation)]
+
+    def windows(x, dim0):  # gather each axis's windows: [.., L_a, ..] -> [.., L_a * K_a, ..]
+        for a, (key, _) in enumerate(axes):
+            x = x.index_select(dim0 + a, key)
+        return x
+
+    def heads_first(x):  # [B, *spatial, heads, c] -> [B, heads, *spatial, c]
+        return x.permute(0, n + 1, *range(1, n + 1), n + 2)
+
+    split = [B, heads]
+    for L, K in zip(spatial, kernel_size):
+        split += [L, K]
+    kw = windows(heads_first(k), 2).reshape(split + [k.shape[-1]])
+    qw = heads_first(q * scale).reshape(split[:2] + [s for L in spatial for s in (L, 1)]
+                                        + [q.shape[-1]])
+    logits = (qw * kw).sum(-1)                                   # [B, heads, L_0, K_0, ..]
+    if rpb is not None:
+        bias = rpb
+        for a, (_, rel) in enumerate(axes):
+            bias = bias.index_select(1 + a, rel)
+        logits = logits + bias.reshape(split[1:]).to(logits.dtype)
+    window_dims = tuple(3 + 2 * a for a in range(n))
+    # softmax over each query's window: the K dims are interleaved with the position dims
+    logits = logits - logits.amax(window_dims, keepdim=True)
+    p = logits.exp()
+    p = p / p.sum(window_dims, keepdim=True)
+    vw = windows(heads_first(v), 2).reshape(split + [v.shape[-1]])
+    out = (p.unsqueeze(-1) * vw).sum(window_dims)                # [B, heads, *spatial, c]
+    return out.permute(0, *range(2, n + 2), 1, n + 2)
+
+
+# --------------------------------------------------------------------------------------------
 # NATTEN backend
 # --------------------------------------------------------------------------------------------
 
@@ -445,7 +511,7 @@ def _examples(n: int):
 for _n in (1, 2):
     backends.register_op(
         f"na{_n}d", key_type=NACall, order=_auto_order, macs=_na_macs, examples=_examples(_n),
-        backends={"torch": backends.Backend(na_reference),
+        export=na_export, backends={"torch": backends.Backend(na_reference),
                   "natten": backends.Backend(_na_natten, _natten_support),
                   "cuda": backends.Backend(_na_cuda, _cuda_support)})
 
