@@ -310,6 +310,9 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
         bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     out = out.reshape(B, nh, nw, num_heads, wh, ww, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
+    # the copy the reshape below makes anyway, made explicit: on torch 2.14 the ONNX dynamo
+    # exporter's decompositions turn that reshape into a view that fails at a dynamic batch
+    out = out.clone(memory_format=torch.contiguous_format)
     out = out.reshape(B, nh * wh, nw * ww, C)
     if padded:
         out = out[:, :H, :W]

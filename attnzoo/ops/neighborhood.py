@@ -315,6 +315,7 @@ def _axis_neighbours(L, K: int, d: int, device: torch.device
     only, so that an exported graph derives them from the input's shape."""
     i = torch.arange(L, device=device)
     if d == 1:
+        # L - K - i + i: the last start as a tensor, whether L is an int or a traced size
         start = torch.minimum(torch.clamp(i - K // 2, min=0), L - K - i + i)
         key = start.unsqueeze(1) + torch.arange(K, device=device)
         return key.reshape(-1), (key - i.unsqueeze(1) + K - 1).reshape(-1)
@@ -332,42 +333,37 @@ def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tu
               scale: float) -> torch.Tensor:
     """NA as an export graph, one per axis count whatever the input size and kernel: each
     axis's window indices are computed from the input's shape, keys and values are gathered one
-    axis at a time (``[.., L_0, K_0, L_1, K_1, ..]``, the product of the axes' windows), and
-    the softmax runs over each query's ``K**n`` keys. It holds ``K**n`` copies of k and v,
-    which inference affords."""
+    axis at a time (``[B, L_0, K_0, L_1, K_1, .., heads, c]``: every query's window), and the
+    softmax runs over each query's ``K**n`` keys. It holds ``K**n`` copies of k and v, which
+    inference affords."""
     n = len(kernel_size)
     B, spatial, heads = q.shape[0], q.shape[1:1 + n], q.shape[-2]
     axes = [_axis_neighbours(L, K, d, q.device)
             for L, K, d in zip(spatial, kernel_size, dilation)]
-
-    def windows(x, dim0):  # gather each axis's windows: [.., L_a, ..] -> [.., L_a * K_a, ..]
-        for a, (key, _) in enumerate(axes):
-            x = x.index_select(dim0 + a, key)
-        return x
-
-    def heads_first(x):  # [B, *spatial, heads, c] -> [B, heads, *spatial, c]
-        return x.permute(0, n + 1, *range(1, n + 1), n + 2)
-
-    split = [B, heads]
+    windowed = [B]
     for L, K in zip(spatial, kernel_size):
-        split += [L, K]
-    kw = windows(heads_first(k), 2).reshape(split + [k.shape[-1]])
-    qw = heads_first(q * scale).reshape(split[:2] + [s for L in spatial for s in (L, 1)]
-                                        + [q.shape[-1]])
-    logits = (qw * kw).sum(-1)                                   # [B, heads, L_0, K_0, ..]
+        windowed += [L, K]
+
+    def windows(x):  # [B, *spatial, heads, c] -> [B, L_0, K_0, .., heads, c]
+        for a, (key, _) in enumerate(axes):
+            # advanced indexing, not index_select: several times faster on CPU off dim 0
+            x = x[(slice(None),) * (1 + a) + (key,)]
+        return x.reshape(windowed + [heads, x.shape[-1]])
+
+    qw = (q * scale).reshape([B] + [s for L in spatial for s in (L, 1)] + [heads, q.shape[-1]])
+    logits = (qw * windows(k)).sum(-1)                            # [B, L_0, K_0, .., heads]
     if rpb is not None:
         bias = rpb
         for a, (_, rel) in enumerate(axes):
             bias = bias.index_select(1 + a, rel)
-        logits = logits + bias.reshape(split[1:]).to(logits.dtype)
-    window_dims = tuple(3 + 2 * a for a in range(n))
+        bias = bias.reshape([heads] + windowed[1:]).permute(*range(1, 2 * n + 1), 0)
+        logits = logits + bias.to(logits.dtype)
+    window_dims = tuple(2 + 2 * a for a in range(n))
     # softmax over each query's window: the K dims are interleaved with the position dims
     logits = logits - logits.amax(window_dims, keepdim=True)
     p = logits.exp()
     p = p / p.sum(window_dims, keepdim=True)
-    vw = windows(heads_first(v), 2).reshape(split + [v.shape[-1]])
-    out = (p.unsqueeze(-1) * vw).sum(window_dims)                # [B, heads, *spatial, c]
-    return out.permute(0, *range(2, n + 2), 1, n + 2)
+    return (p.unsqueeze(-1) * windows(v)).sum(window_dims)        # [B, *spatial, heads, c]
 
 
 # --------------------------------------------------------------------------------------------
