@@ -266,7 +266,8 @@ def _cmd_export(args, parser) -> int:
         model = timm.create_model(args.model, pretrained=False, exportable=True,
                                   checkpoint_path=args.checkpoint or "")
     except (RuntimeError, ValueError, OSError) as e:
-        parser.error(f"--checkpoint {args.checkpoint}: {_one_line(e)}")
+        where = f"--checkpoint {args.checkpoint}" if args.checkpoint else args.model
+        parser.error(f"{where}: {_one_line(e)}")
     if not args.checkpoint:
         print(f"no --checkpoint: {args.model} with random weights (nothing is downloaded)",
               flush=True)
