@@ -140,6 +140,8 @@ def test_a_trace_runs_every_op_s_export_formula_whatever_the_backend(backend):
 
 
 def test_torch_export_runs_the_export_formulas():
+    if _dynamo_skip_reason():
+        pytest.skip(_dynamo_skip_reason())
     x = torch.randn(2, 8, 9, 4)
     with backends.use_backend("cuda"):
         program = torch.export.export(_EveryOp(), (x,), strict=False)

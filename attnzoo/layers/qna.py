@@ -296,7 +296,7 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     qkv = qkv.reshape(B, nh, wh, nw, ww, 3, num_heads, head_dim)
     q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
                                                           head_dim).unbind(0)
-    scale = head_dim ** -0.5
+    scale = None  # SDPA's head_dim ** -0.5; torch 2.4's TorchScript ONNX exporter fails on a float
     if attn_norm == "quest":
         k, scale = l2_normalize(k), 1.0
     index = relative_position_index(wh, ww, window_size, table.device)
