@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from attnzoo.kernels import neighborhood as kn  # noqa: E402
+from attnzoo.profiling import first_line  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -52,20 +53,17 @@ SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 
 def capture_launches(shape, kernel_size, dilation, has_rpb, dtype):
-    """Run forward and backward host code on meta tensors; return the launches."""
-    launches = []
-    real_run = kn._run
-    kn._run = lambda kernel, grid, *args, **kwargs: launches.append((kernel, args, kwargs))
-    try:
-        q, k, v, do = (torch.empty(shape, device="meta", dtype=dtype) for _ in range(4))
-        rpb = (torch.empty((shape[3], 2 * kernel_size[0] - 1, 2 * kernel_size[1] - 1),
-                           device="meta", dtype=dtype) if has_rpb else None)
-        o, lse = kn._forward(q, k, v, rpb, kernel_size, dilation, shape[-1] ** -0.5)
-        kn._backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, shape[-1] ** -0.5,
-                     has_rpb, True)
-    finally:
-        kn._run = real_run
-    return launches
+    """Run forward and backward host code on meta tensors; return the launches as (kernel, args,
+    kwargs)."""
+    q, k, v = (torch.empty(shape, device="meta", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    rpb = (torch.empty((shape[3], 2 * kernel_size[0] - 1, 2 * kernel_size[1] - 1),
+                       device="meta", dtype=dtype, requires_grad=True) if has_rpb else None)
+    with kn.capture_launches() as launches:
+        o = kn.NeighborhoodAttention.apply(q, k, v, rpb, kernel_size, dilation,
+                                           shape[-1] ** -0.5)
+        o.backward(torch.empty_like(o))
+    return [(kernel, args, kwargs) for kernel, _, args, kwargs in launches]
 
 
 def to_source(kernel, args, kwargs):
@@ -137,8 +135,8 @@ def main(argv=None) -> int:
                                               options=options)
                 except Exception as e:  # report and go on: the point is to list every failure
                     failures += 1
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    print(f"  sm{arch} {kernel.__name__:22s} FAILED: {first[:300]}", flush=True)
+                    print(f"  sm{arch} {kernel.__name__:22s} FAILED: {first_line(e)[:300]}",
+                          flush=True)
                     continue
                 shared = compiled.metadata.shared
                 over = shared > SHARED_LIMIT.get(arch, shared)

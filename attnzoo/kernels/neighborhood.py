@@ -19,7 +19,7 @@ Backward, FlashAttention-2 style, recomputing the probabilities from the log-sum
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -32,8 +32,8 @@ from .tiling import (LOG2E, Tiling, block_positions, block_shape, dot, grid_tile
                      online_softmax_step, pow2, program_tile, store_rows, tile_positions,
                      to_source)
 
-__all__ = ["NeighborhoodAttention", "na_fused", "support", "default_tiling", "INTERPRETED",
-           "MAX_KERNEL_SIZE", "MAX_HEAD_DIM", "DTYPES"]
+__all__ = ["NeighborhoodAttention", "na_fused", "support", "default_tiling", "capture_launches",
+           "INTERPRETED", "MAX_KERNEL_SIZE", "MAX_HEAD_DIM", "DTYPES"]
 
 MAX_KERNEL_SIZE = 13
 MAX_HEAD_DIM = 128
@@ -352,10 +352,28 @@ def _plan(q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool
     return _Launch((B * heads * dilation[0] * dilation[1] * tiles_y * tiles_x,), t, args)
 
 
+_captured: Optional[List[tuple]] = None  # the list capture_launches yields, while it is active
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[List[tuple]]:
+    """Record the kernels' launches instead of running them: within it, each one is appended as
+    ``(kernel, grid, args, kwargs)`` to the list it yields. scripts/compile_kernels.py runs the
+    host code on meta tensors under it and compiles every launch for sm80/sm90 without a GPU."""
+    global _captured
+    previous, _captured = _captured, []
+    try:
+        yield _captured
+    finally:
+        _captured = previous
+
+
 def _run(kernel, grid, *args, **kwargs):
-    # The one launch point: scripts/compile_kernels.py captures launches here to compile them
-    # for sm80/sm90 without a GPU. Triton launches on the current CUDA device: guard it in eager
-    # mode (a compiled graph guards devices itself).
+    # The one launch point (see capture_launches). Triton launches on the current CUDA device:
+    # guard it in eager mode (a compiled graph guards devices itself).
+    if _captured is not None:
+        _captured.append((kernel, grid, args, kwargs))
+        return
     eager_cuda = args[0].is_cuda and not torch.compiler.is_compiling()
     with torch.cuda.device(args[0].device) if eager_cuda else contextlib.nullcontext():
         kernel[grid](*args, **kwargs)
