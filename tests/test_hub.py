@@ -94,7 +94,10 @@ def _assert_state_dict(model, want: dict):
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
-@pytest.mark.parametrize("tag", OFFICIAL)
+# nat_mini is also in the floor tier: timm's save_for_hf and local-dir:/hf-hub: reload changed
+# after timm's floor (1.0.29).
+@pytest.mark.parametrize("tag", [
+    pytest.param(tag, marks=[pytest.mark.floor] * (tag == "nat_mini.in1k")) for tag in OFFICIAL])
 def test_official_checkpoint_publishes_a_folder_that_loads_identically_everywhere(
         tag, tmp_path, capsys):
     """publish --dry-run (which itself reloads the folder through local-dir: and requires the
