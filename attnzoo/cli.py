@@ -357,15 +357,15 @@ def _convert_epilog() -> str:
     models = "\n".join(textwrap.fill(f"{family}: {', '.join(names)}", 79, initial_indent="  ",
                                       subsequent_indent="    ")
                        for family, names in by_family.items())
-    return (f"models:\n{models}\n\n"
-            "checkpoints read: torch files (.pth, .pth.tar, .pt, .bin; loaded with\n"
-            "weights_only=True, no code from the file runs) and .safetensors, in the family's\n"
-            "official layout (NAT/DiNAT: the original repository's or the shi-labs transformers\n"
-            "repos'; SAN: tool/train.py's; QUEST-ViT: timm's or DeiT's ViT) or attnzoo's; QnA-ViT's\n"
-            "Flax checkpoint_N files (pip install \"attnzoo[convert]\").\n\n"
-            f"output formats, by OUT's extension: {', '.join(hub.CONVERTED_FORMATS)} (torch.save);\n"
-            "both load with timm.create_model(MODEL, pretrained=True,\n"
-            "pretrained_cfg_overlay=dict(file=OUT)).")
+    formats = ", ".join(hub.CONVERTED_FORMATS)
+    return (f"models:\n{models}\n\n" + textwrap.fill(
+        "checkpoints read: torch files (.pth, .pth.tar, .pt, .bin; loaded with weights_only=True, "
+        "no code from the file runs) and .safetensors, in the family's official layout "
+        "(NAT/DiNAT: the original repository's or the shi-labs transformers repos'; SAN: "
+        "tool/train.py's; QUEST-ViT: timm's or DeiT's ViT) or attnzoo's; QnA-ViT's Flax "
+        "checkpoint_N files (pip install \"attnzoo[convert]\").", 79) + "\n\n" + textwrap.fill(
+        f"output formats, by OUT's extension: {formats} (torch.save); both load with "
+        "timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=OUT)).", 79))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,7 +45,8 @@ from .models._helpers import HUB_ORG, checkpoint_kind, hub_repo
 from .profiling import count_macs, count_params
 
 __all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "read_checkpoint", "load_official",
-           "CONVERTED_FORMATS", "check_output_path", "save_converted", "load_checkpoint_model", "check_finite", "evaluate",
+           "CONVERTED_FORMATS", "check_output_path", "save_converted", "load_checkpoint_model",
+           "check_finite", "evaluate",
            "measure_facts", "backends_here", "config_line", "input_sizes", "weights_source",
            "model_card", "readme", "model_cards_markdown", "publish_table", "check_repo_id",
            "check_out_dir", "write_hub_folder", "check_reload", "check_token", "upload"]
@@ -156,7 +157,8 @@ def load_official(model_name: str, path: PathLike, **model_kwargs) -> Dict[str, 
 
 # The files `attnzoo convert` writes, by the output's extension: both load with timm's
 # ``pretrained_cfg_overlay=dict(file=...)``, which reads ``.safetensors`` and torch.load's others.
-CONVERTED_FORMATS = {".safetensors": "safetensors", ".pth": "torch", ".pt": "torch", ".bin": "torch"}
+CONVERTED_FORMATS = {".safetensors": "safetensors", ".pth": "torch", ".pt": "torch",
+                     ".bin": "torch"}
 
 
 def check_output_path(path: PathLike) -> str:

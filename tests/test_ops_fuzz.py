@@ -100,10 +100,13 @@ def _backend(rng: random.Random, mutations: list, invalid: set, maybe: set):
     return {"none": None}.get(choice, choice)
 
 
-def _bad_int(rng: random.Random) -> Tuple[object, str]:
-    """A value an int size argument must refuse, and its label."""
-    return rng.choice([(True, "bool"), (2.0, "float"), ("3", "str"), ((3, 3, 3), "3-tuple"),
-                       (None, "None")])
+def _bad_int(rng: random.Random, kwargs: dict, arg: str, mutations: list, invalid: set) -> None:
+    """Give ``arg`` a value an int size argument must refuse (a bool, float, str, 3-tuple or
+    None)."""
+    kwargs[arg], label = rng.choice([(True, "bool"), (2.0, "float"), ("3", "str"),
+                                     ((3, 3, 3), "3-tuple"), (None, "None")])
+    mutations[-1] += f" {label}"
+    invalid.add(arg)
 
 
 def gen_na(rng: random.Random, n: int, layouts) -> Call:
@@ -151,10 +154,8 @@ def gen_na(rng: random.Random, n: int, layouts) -> Call:
             kwargs["kernel_size"] = rng.choice([0, -1, 2, 4])
             invalid.add("kernel_size")
         elif m in ("kernel_type", "dilation_type"):
-            arg = "kernel_size" if m == "kernel_type" else "dilation"
-            kwargs[arg], label = _bad_int(rng)
-            mutations[-1] += f" {label}"
-            invalid.add(arg)
+            _bad_int(rng, kwargs, "kernel_size" if m == "kernel_type" else "dilation", mutations,
+                     invalid)
         elif m == "kernel_big":
             kwargs["kernel_size"] = 2 * (max(spatial) // 2) + 3  # odd, > every axis
             invalid.add("kernel_size")
@@ -229,10 +230,8 @@ def gen_qna(rng: random.Random, layouts) -> Call:
             kwargs["kernel_size"] = rng.choice([0, 2, -3])
             invalid.add("kernel_size")
         elif m in ("kernel_type", "stride_type"):
-            arg = "kernel_size" if m == "kernel_type" else "stride"
-            kwargs[arg], label = _bad_int(rng)
-            mutations[-1] += f" {label}"
-            invalid.add(arg)
+            _bad_int(rng, kwargs, "kernel_size" if m == "kernel_type" else "stride", mutations,
+                     invalid)
         elif m == "stride_zero":
             kwargs["stride"] = rng.choice([0, -1])
             invalid.add("stride")
@@ -306,9 +305,7 @@ def gen_san(rng: random.Random, op: str, layouts) -> Call:
             kwargs["kernel_size"] = rng.choice([0, 2, (3, 4)])
             invalid.add("kernel_size")
         elif m == "kernel_type":
-            kwargs["kernel_size"], label = _bad_int(rng)
-            mutations[-1] += f" {label}"
-            invalid.add("kernel_size")
+            _bad_int(rng, kwargs, "kernel_size", mutations, invalid)
         elif m == "dilation_zero":
             kwargs["dilation"] = rng.choice([0, (1, -1)])
             invalid.add("dilation")

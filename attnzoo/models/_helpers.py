@@ -112,13 +112,13 @@ def _check_hub_weights(tag: str, variant: str, cfg: PretrainedCfg) -> None:
                   f"{why}. " + _local_copy_advice(tag, variant, where + " where it is reachable"))
 
 
-def _check_local_file(tag: str, variant: str, path: str) -> None:
-    """A ``file=`` overlay that timm cannot load (missing, or not a torch / safetensors file:
-    an unconverted official checkpoint) raises here, naming the file and the fix, instead of
-    an error from deep inside ``torch.load``."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{tag}: pretrained_cfg_overlay file {path!r} is not a file")
-    if not path.endswith(".safetensors") and checkpoint_kind(path) is None:
+def _check_local_file(tag: str, variant: str, path) -> None:
+    """A ``file=`` overlay that timm cannot load (not a torch / safetensors file: an
+    unconverted official checkpoint) raises here, naming the file and the fix, instead of an
+    error from deep inside ``torch.load``. (timm's ``local-dir:`` passes a folder: its own.)"""
+    path = os.fspath(path)
+    if os.path.isfile(path) and not path.endswith(".safetensors") \
+            and checkpoint_kind(path) is None:
         raise ValueError(
             f"{tag}: pretrained_cfg_overlay file {path!r} is not a torch or safetensors "
             f"checkpoint (an official checkpoint in another format?); convert it first with "
