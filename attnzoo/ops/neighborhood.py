@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .. import backends
+from .. import backends, kernels
 
 __all__ = ["na1d", "na2d", "na_reference"]
 
@@ -401,7 +401,6 @@ def _na_natten(q, k, v, kernel_size, dilation, rpb, scale):
 # --------------------------------------------------------------------------------------------
 
 def _cuda_support(call: NACall) -> Optional[str]:
-    from .. import kernels
     reason = kernels.triton_missing()
     if reason is not None:
         return reason
@@ -413,13 +412,6 @@ def _cuda_support(call: NACall) -> Optional[str]:
 def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):
     from ..kernels.neighborhood import na_fused
     return na_fused(q, k, v, kernel_size, dilation, rpb, scale)
-
-
-def _auto_order(call: NACall) -> Tuple[str, ...]:
-    # On CPU the tiled torch reference is 10-40x faster than NATTEN's unfused Flex path (and
-    # the Triton interpreter is for tests only). On CUDA our fused kernels come first: they
-    # also take the rpb, which NATTEN >= 0.20 does not.
-    return ("cuda", "natten", "torch") if call.device == "cuda" else ("torch",)
 
 
 def _na_macs(q, k, v, kernel_size, dilation, rpb, scale) -> int:
@@ -454,12 +446,47 @@ def _examples(n: int):
     return examples
 
 
+# Check cases: (label, [B, *spatial, heads, head_dim], kernel_size, dilation, rpb, scale, v_dim).
+# Small enough for Triton's interpreter; between them: clamped windows at every border, dilation
+# groups of unequal length, non-square kernels, kernel_size * dilation equal to the map, several
+# reference tiles per group, kernel 1, batch 2, two heads, a scale, a value dim unlike the head
+# dim, and calls without rpb at power-of-two head dims (which NATTEN's CPU path takes).
+_CASES = {
+    2: [("9x11 k3 d(2,1) rpb scale", (1, 9, 11, 1, 8), 3, (2, 1), True, 0.7, None),
+        ("7x10 k(5,3) d(1,3)", (1, 7, 10, 1, 16), (5, 3), (1, 3), False, None, None),
+        ("10x10 k5 d2=map rpb vdim12", (1, 10, 10, 1, 8), 5, 2, True, None, 12),
+        ("17x6 k3 tiles", (1, 17, 6, 1, 8), 3, 1, False, None, None),
+        ("5x6 k1 d(2,1) rpb h2", (1, 5, 6, 2, 4), 1, (2, 1), True, None, None)],
+    1: [("40 k7 rpb h2 tiles", (1, 40, 2, 8), 7, 1, True, None, None),
+        ("19 k5 d3 scale b2", (2, 19, 1, 16), 5, 3, False, 0.5, None),
+        ("12 k3 d4=map rpb", (1, 12, 1, 4), 3, 4, True, None, None)],
+}
+
+
+def _cases(n: int):
+    def cases(device, dtype):
+        out = []
+        for label, shape, kernel_size, dilation, rpb, scale, v_dim in _CASES[n]:
+            ks = _as_tuple(kernel_size, n, "kernel_size")
+            shapes = [shape, shape, shape[:-1] + (v_dim or shape[-1],)]
+            if rpb:
+                shapes.append((shape[-2],) + tuple(2 * K - 1 for K in ks))
+
+            def call(q, k, v, rpb=None, *, backend, ks=ks, dil=dilation, scale=scale):
+                return (na2d if n == 2 else na1d)(q, k, v, kernel_size=ks, dilation=dil,
+                                                  rpb=rpb, scale=scale, backend=backend)
+            out.append(backends.Case(label, backends.case_inputs(shapes, device, dtype), call))
+        return out
+    return cases
+
+
 for _n in (1, 2):
     backends.register_op(
-        f"na{_n}d", key_type=NACall, order=_auto_order, macs=_na_macs, examples=_examples(_n),
+        f"na{_n}d", key_type=NACall, macs=_na_macs, examples=_examples(_n), cases=_cases(_n),
         backends={"torch": backends.Backend(na_reference),
                   "natten": backends.Backend(_na_natten, _natten_support),
                   "cuda": backends.Backend(_na_cuda, _cuda_support)})
+backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear)
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,7 +514,7 @@ def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntO
         dilation: dilation (int or ``(dh, dw)``).
         rpb: optional relative positional bias ``[heads, 2kh-1, 2kw-1]``, added unscaled.
         scale: logit scale applied to q (default ``head_dim ** -0.5``).
-        backend: ``"torch" | "natten" | "cuda" | "auto"``; ``None`` follows
+        backend: one of :data:`attnzoo.backends.BACKENDS`; ``None`` follows
             :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
 
     Returns:
