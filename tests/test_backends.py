@@ -24,9 +24,9 @@ def toy_scale(x, *, factor=2.0, backend=None):
 def toy_op(monkeypatch):
     calls = []
     monkeypatch.setattr(backends, "_OPS", dict(backends._OPS))  # registration undone after
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ("cuda", "torch"))  # auto's table
     backends.register_op(
         "toy_scale", key_type=ToyCall, macs=lambda x, factor: x.numel(),
-        order=lambda call: ("cuda", "torch"),
         backends={
             "torch": backends.Backend(lambda x, f: calls.append("torch") or x * f),
             "cuda": backends.Backend(lambda x, f: calls.append("cuda") or x * f,
