@@ -6,6 +6,7 @@
 ``attnzoo convert MODEL CKPT OUT``      an official checkpoint -> safetensors timm loads
 ``attnzoo publish MODEL[.TAG] CKPT --repo-id ORG/NAME``  a checkpoint -> a checked Hub repo
 ``attnzoo timm SCRIPT.py [ARGS...]``    run one of timm's scripts with attnzoo's models registered
+``attnzoo check``                       every op on every backend here against the float64 reference
 
 Also ``python -m attnzoo ...``, which works as one process of a torchrun launch, from a timm clone
 too: ``torchrun --nproc_per_node=N -m attnzoo timm train.py --config ...`` (README "Train").
@@ -25,6 +26,7 @@ import argparse
 import ast
 import contextlib
 import difflib
+import itertools
 import importlib.util
 import os
 import runpy
@@ -32,15 +34,18 @@ import signal
 import statistics
 import sys
 import textwrap
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from . import __version__, backends, hub
+from .check import check_backend, severity
 from .models import list_models, model_family
 from .profiling import count_macs, count_params, first_line, model_step, time_steps
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CHECK_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # bench's rows: what auto picks, then every backend that runs ops
 _BENCH_BACKENDS = ("auto",) + backends.CONCRETE_BACKENDS
 
@@ -290,6 +295,73 @@ def _cmd_publish(args, parser) -> int:
     return 0
 
 
+def _cmd_check(args, parser) -> int:
+    device = _check_device(parser, args.device)
+    choice = args.dtype or ("all" if device.type == "cuda" else "fp32")
+    dtypes = list(_CHECK_DTYPES) if choice == "all" else [choice]
+    ops, names = backends.registered_ops(), args.backend or backends.CONCRETE_BACKENDS
+    print(f"attnzoo check: {len(ops)} ops x {', '.join(names)} on {device}, "
+          f"{', '.join(dtypes)}: each op's check cases, the output and every input's gradient "
+          "against the float64 torch reference (error: max |got - ref| / max(1, max |ref|))")
+    print(f"{'op':<17}{'backend':<8}{'dtype':<6}{'cases':<14}{'forward':>9}{'backward':>10}"
+          f"{'tolerance':>11}{'time':>9}  result", flush=True)
+    reasons: List[str] = []  # why cases did not run: the notes under the table
+    rows = []
+    with warnings.catch_warnings():
+        # NATTEN's CPU path runs flex_attention uncompiled, which warns about speed on every run
+        warnings.filterwarnings("ignore", module=r"torch\.nn\.attention\.flex_attention")
+        for op, name, dtype in itertools.product(ops, names, dtypes):
+            print(f"{op:<17}{name:<8}{dtype:<6}", end="", flush=True)
+            row = check_backend(op, name, device, _CHECK_DTYPES[dtype])
+            rows.append((dtype, row))
+            print(_check_row(row, reasons), flush=True)
+    for i, reason in enumerate(reasons):
+        print(f"[{i + 1}] {reason}")
+    for dtype in dtypes:
+        ran = [row for d, row in rows if d == dtype]
+        worst = [max(ran, key=lambda r: severity(getattr(r, kind))) for kind in ("forward",
+                                                                                   "backward")]
+        print(f"{dtype}: worst error forward {_worst_text(worst[0], 'forward')}, backward "
+              f"{_worst_text(worst[1], 'backward')}; tolerance {ran[0].tolerance:.0e}")
+    failed = [f"{row.op}/{row.backend}/{dtype} {label!r}"
+              for dtype, row in rows for label, _ in row.failures]
+    if failed:
+        print(f"FAILED: {len(failed)} case(s) above tolerance or in error: {', '.join(failed)}")
+        return 1
+    checked = sum(len(row.checked) + len(row.forward_only) for _, row in rows)
+    print(f"ok: {checked} case(s) checked, every error within tolerance" if checked else
+          "ok, but no case ran here: the notes above say why")
+    return 0
+
+
+def _check_row(row, reasons: List[str]) -> str:
+    """A row of `attnzoo check`'s table after the op, backend and dtype; the reasons for cases
+    that did not run are added to ``reasons`` and referred to by number."""
+    notes = []
+    for reason in row.not_run:
+        if reason not in reasons:
+            reasons.append(reason)
+        notes.append(f"[{reasons.index(reason) + 1}]")
+    ran = len(row.checked) + len(row.forward_only)
+    cases = f"{ran}/{row.cases}" + (" fwd only" if row.forward_only and not row.checked else "")
+    result = "FAIL" if row.failures else "ok" if ran else "not run"
+    if notes:
+        result += f"; {row.cases - ran} not run " if ran else " "
+        result += " ".join(notes)
+    failures = "".join(f"\n    {label}: {what}" for label, what in row.failures)
+    return (f"{cases:<14}{_error_text(row.forward):>9}{_error_text(row.backward):>10}"
+            f"{row.tolerance:>11.0e}{row.seconds:>7.1f} s  {result}{failures}")
+
+
+def _error_text(error: Optional[float]) -> str:
+    return "-" if error is None else f"{error:.1e}"
+
+
+def _worst_text(row, kind: str) -> str:
+    error = getattr(row, kind)
+    return "-" if error is None else f"{error:.1e} ({row.op} on {row.backend})"
+
+
 # import name -> pip package, where they differ (what timm's scripts import)
 _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 
@@ -368,6 +440,19 @@ def _convert_epilog() -> str:
         "timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=OUT)).", 79))
 
 
+def _check_epilog() -> str:
+    tolerances = ", ".join(f"{name} {backends.TOLERANCE[dtype]:.0e}"
+                           for name, dtype in _CHECK_DTYPES.items())
+    return textwrap.fill(
+        "Run it after installing attnzoo on a new GPU (or a new driver, torch, Triton or NATTEN), "
+        "and before reporting a numerical bug. Each row is one op on one backend in one dtype: "
+        "how many of the op's check cases the backend runs here (the others say why not, in "
+        "the notes under the table), the worst errors of the output and of the inputs' "
+        "gradients, and the time of the check (backend and reference). Tolerances: "
+        f"{tolerances}. Without a GPU, the cuda backend's Triton kernels run under Triton's "
+        "interpreter with TRITON_INTERPRET=1 set (slow: --backend cuda --dtype fp32).", 79)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnzoo", description="attnzoo: local and robust attention vision "
                                                  "models for timm (`attnzoo COMMAND --help`)")
@@ -444,6 +529,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None,
                    help="branch to upload to, created if needed (default: main)")
     p.set_defaults(func=_cmd_publish, parser=p)
+
+    p = command("check", "every op on every backend here against the float64 torch "
+                         "reference (exit 1 if an error is above tolerance)",
+                epilog=_check_epilog())
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=["cpu", "cuda"], help="where to run the backends")
+    p.add_argument("--dtype", default=None, choices=[*_CHECK_DTYPES, "all"],
+                   help="dtype of the backends' inputs (default: all on cuda, fp32 on cpu)")
+    p.add_argument("--backend", nargs="+", default=None, choices=backends.CONCRETE_BACKENDS,
+                   metavar="NAME",
+                   help=f"backends to check, of {', '.join(backends.CONCRETE_BACKENDS)} "
+                        "(default: all)")
+    p.set_defaults(func=_cmd_check, parser=p)
 
     p = command("timm", "run a timm script (train.py, validate.py, benchmark.py, inference.py) "
                         "with attnzoo's models registered")

@@ -96,6 +96,9 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
      "output 'out.onnx': unknown extension; accepted: .safetensors, .pth, .pt, .bin"),
     (["convert", "nat_mini"], "the following arguments are required: CHECKPOINT, OUT"),
     (["timm", "/does/not/train.py"], "does not exist"),
+    (["check", "--backend", "auto"], "argument --backend: invalid choice: 'auto' (choose from "
+                                     "'torch', 'natten', 'cuda')"),
+    (["check", "--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
     (["list", "zzz*"], "no attnzoo model matches 'zzz*'; `attnzoo list` names them all"),
     (["list", "--pretrained", "nat_tny*"], "no attnzoo pretrained tag matches 'nat_tny*'"),
     (["list", "nat_tny"], "no attnzoo model matches 'nat_tny'; did you mean nat_tiny"),
