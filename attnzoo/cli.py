@@ -272,7 +272,7 @@ def _cmd_publish(args, parser) -> int:
                    f"converted and checked by `attnzoo publish` (attnzoo {__version__})")
         card = hub.model_card(model, hub.measure_facts(model), repo_id=repo_id, weights=weights,
                               evaluation=evaluation)
-        hub.write_hub_folder(model, out, card, name)
+        hub.write_hub_folder(model, out, card, name, (evaluation or {}).get("classes"))
         print(f"[3/{steps}] wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}",
               flush=True)
         hub.check_reload(model, out, logits)
@@ -520,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use-ema", action="store_true",
                    help="take a train.py checkpoint's state_dict_ema (default: its state_dict)")
     p.add_argument("--eval-dir", default=None,
-                   help="an ImageFolder (e.g. ImageNet val) to measure top-1/top-5 on "
+                   help="an ImageFolder (e.g. ImageNet val) to measure top-1/top-5 on; its class "
+                        "folders also name the classes of a non-ImageNet head they all cover "
                         "(default: none)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=32, help="for --eval-dir")
     p.add_argument("--workers", type=_int_at_least(0), default=4, help="for --eval-dir")

@@ -35,7 +35,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -44,12 +44,13 @@ from .models import list_models, model_family
 from .models._helpers import HUB_ORG, checkpoint_kind, hub_repo
 from .profiling import count_macs, count_params
 
-__all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "read_checkpoint", "load_official",
-           "CONVERTED_FORMATS", "check_output_path", "save_converted", "load_checkpoint_model",
-           "check_finite", "evaluate",
-           "measure_facts", "backends_here", "config_line", "input_sizes", "weights_source",
-           "model_card", "readme", "model_cards_markdown", "publish_table", "check_repo_id",
-           "check_out_dir", "write_hub_folder", "check_reload", "check_token", "upload"]
+__all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "TRANSFORMERS_WITHOUT_ATTNZOO", "read_checkpoint",
+           "load_official", "CONVERTED_FORMATS", "check_output_path", "save_converted",
+           "load_checkpoint_model", "check_finite", "evaluate", "measure_facts", "backends_here",
+           "config_line", "input_sizes", "weights_source", "class_names", "model_card",
+           "transformers_usage", "readme", "model_cards_markdown", "publish_table",
+           "check_repo_id", "check_out_dir", "write_hub_folder", "check_reload", "check_token",
+           "upload"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -78,6 +79,11 @@ PAPER_TOP1: Dict[str, Tuple[float, str]] = {
         ("quest_deit3_large_patch16_224", 84.1, "DeiT-3, 400+20 epochs"),
         ("quest_deit3_huge_patch14_224", 83.4, "DeiT-3, 400+20 epochs"))},
 }
+
+# What transformers (4.57 to 5.24, measured) raises when timm does not know the architecture:
+# `import attnzoo` was left out.
+TRANSFORMERS_WITHOUT_ATTNZOO = ("ImportError: The model architecture '{arch}' is not supported "
+                                "in your version of timm")
 
 # timm train.py's checkpoint (CheckpointSaver): the model's and the EMA model's state dicts.
 _TRAIN_KEYS = ("state_dict", "state_dict_ema")
@@ -257,10 +263,11 @@ def check_finite(model: torch.nn.Module) -> torch.Tensor:
 
 
 def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
-             workers: int = 0) -> Dict[str, float]:
+             workers: int = 0) -> Dict[str, Any]:
     """Top-1 / top-5 accuracy (%) of ``model`` on an ImageFolder (one sub-folder per class,
     classes in sorted order as timm's ``validate.py`` takes them), with the model's eval
-    transform (``resolve_data_config``), a progress bar on stderr."""
+    transform (``resolve_data_config``), a progress bar on stderr; with the number of images
+    and the class folders' names in index order (``classes``)."""
     from timm.data import create_dataset, create_loader, resolve_data_config
     from tqdm import tqdm
 
@@ -285,7 +292,8 @@ def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
             correct1 += int((top[:, 0] == y).sum())
             correct5 += int((top == y[:, None]).any(-1).sum())
     n = len(dataset)
-    return {"top1": 100 * correct1 / n, "top5": 100 * correct5 / n, "images": n}
+    return {"top1": 100 * correct1 / n, "top5": 100 * correct5 / n, "images": n,
+            "classes": sorted(classes, key=classes.get)}
 
 
 def measure_facts(model: torch.nn.Module) -> Dict[str, Any]:
@@ -427,14 +435,16 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         "none needed (no attnzoo op: plain PyTorch)")
     if throughput:
         details["Throughput"] = throughput
+    details["Labels"] = class_names(model, (evaluation or {}).get("classes"))[1]
     load = f"hf-hub:{repo_id}" if repo_id else name
-    usage = ("```python\nimport timm\nimport torch\n\n"
+    usage = ("With timm:\n\n```python\nimport timm\nimport torch\n\n"
              "import attnzoo  # registers attnzoo's models with timm: before create_model\n\n"
              f"model = timm.create_model('{load}', pretrained={bool(repo_id or tag)}).eval()\n"
              "data_config = timm.data.resolve_model_data_config(model)\n"
              "transform = timm.data.create_transform(**data_config, is_training=False)\n"
              "with torch.no_grad():\n"
-             "    logits = model(transform(image).unsqueeze(0))  # image: a PIL image\n```\n")
+             "    logits = model(transform(image).unsqueeze(0))  # image: a PIL image\n```\n\n"
+             + transformers_usage(arch, repo_id or (hub_repo(name) if tag else "")))
     rows = ["| | ImageNet-1k top-1 | top-5 | source |", "|---|---|---|---|"]
     if arch in PAPER_TOP1:
         top1, where = PAPER_TOP1[arch]
@@ -455,6 +465,26 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
     if bibtex:
         card["citation"] = bibtex
     return card
+
+
+def transformers_usage(arch: str, source: str = "") -> str:
+    """The card's transformers block: ``pipeline`` on ``source`` (a Hub repo in timm's layout,
+    as :func:`write_hub_folder` writes it; default: a placeholder for one), ``import attnzoo``
+    first, and what a user sees without it."""
+    repo = f'"{source}"' if source else '"ORG/NAME"  # a Hub repo or folder `attnzoo publish` wrote'
+    return (
+        "With transformers (`pip install \"attnzoo[transformers]\"`): its `TimmWrapper` builds the "
+        "model with timm, so the logits, the preprocessing (from config.json's `pretrained_cfg`) "
+        "and the class names are timm's:\n\n```python\n"
+        "import attnzoo  # registers attnzoo's models with timm: before transformers builds one\n"
+        "from transformers import pipeline\n\n"
+        f"repo = {repo}\n"
+        "classifier = pipeline(\"image-classification\", model=repo)\n"
+        "classifier(image)  # image: a PIL image, a path or a URL\n```\n\n"
+        "`AutoModelForImageClassification` and `AutoImageProcessor` load it the same way. "
+        f"Without `import attnzoo`, timm does not know `{arch}` and transformers stops with "
+        f"`{TRANSFORMERS_WITHOUT_ATTNZOO.format(arch=arch)}...`: upgrading timm, which it "
+        "suggests, does not help; importing attnzoo first does.\n")
 
 
 def readme(card: Mapping[str, Any], title: str) -> str:
@@ -520,24 +550,50 @@ def check_out_dir(out: PathLike) -> Path:
     return out
 
 
-def _label_names(model: torch.nn.Module) -> Dict[str, Any]:
-    """ImageNet-1k's synsets and their descriptions (timm's own ImageNet info) for a 1000-class
-    ImageNet-1k tag; nothing for another head."""
-    tag = model.pretrained_cfg.get("tag") or ""
-    if model.num_classes != 1000 or "in1k" not in tag:
-        return {}
-    from timm.data import ImageNetInfo
-    info = ImageNetInfo()
-    names = info.label_names()
-    return {"label_names": list(names),
-            "label_descriptions": {n: info.label_name_to_description(n) for n in names}}
+def class_names(model: torch.nn.Module,
+                classes: Optional[Sequence[str]] = None) -> Tuple[Dict[str, Any], str]:
+    """What ``model``'s classes are called: the ``config.json`` fields that name them, and a
+    sentence for the card. ``classes``: an ImageFolder's class folders in index order
+    (:func:`evaluate`'s ``classes``).
+
+    - ``classes`` naming every class of the head (and not ImageNet's own synsets):
+      ``label_names``, which timm puts in the model's ``pretrained_cfg`` and transformers turns
+      into ``id2label``.
+    - Else an ImageNet head (1000 classes; timm's ``infer_imagenet_subset``): nothing, as in
+      timm's own ImageNet repos. timm (``ImageNetInfo``) and transformers (its ``TimmWrapper``
+      config, 4.48+) both name the classes from the head's size, transformers with the
+      descriptions ('tench, Tinca tinca'); ``label_names`` would replace those descriptions
+      with whatever is written (timm writes synsets there), so ``pipeline`` would answer
+      'n01440764'.
+    - Else nothing: the classes have no names (transformers answers ``LABEL_0``...)."""
+    from timm.data import ImageNetInfo, infer_imagenet_subset
+    n = model.num_classes
+    subset = infer_imagenet_subset(model)
+    info = ImageNetInfo(subset) if subset else None
+    if classes is not None and len(classes) == n and (
+            info is None or list(classes) != info.label_names()):
+        shown = ", ".join(classes[:5]) + (", ..." if n > 5 else "")
+        return {"label_names": list(classes)}, (
+            f"{n} classes, named after the class folders of the ImageFolder given to `attnzoo "
+            f"publish --eval-dir` (config.json `label_names`, in index order): {shown}")
+    if info is not None:
+        return {}, (
+            f"{subset}'s {n} classes, named from the {n}-class head by timm's `ImageNetInfo`, as "
+            "for timm's own ImageNet repos: transformers' `pipeline` answers their descriptions "
+            f"('{info.index_to_description(0)}'), timm's `ImageNetInfo` gives those and the "
+            f"synsets ('{info.index_to_label_name(0)}')")
+    return {}, (f"{n} classes without names (`attnzoo publish` names them from an `--eval-dir` "
+                f"ImageFolder with {n} class folders): transformers answers `LABEL_0` to "
+                f"`LABEL_{n - 1}`, timm gives class indices")
 
 
 def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, Any],
-                     title: str) -> Path:
+                     title: str, classes: Optional[Sequence[str]] = None) -> Path:
     """Write ``model`` as a timm Hub folder: timm's ``save_for_hf`` (``model.safetensors``,
-    ``config.json`` with ``architecture``, ``num_classes``, ``pretrained_cfg``, label names where
-    known) and ``README.md`` from ``card``.
+    ``config.json`` with ``architecture``, ``num_classes``, ``pretrained_cfg``, the label names
+    :func:`class_names` gives for ``classes``) and ``README.md`` from ``card``. timm loads it
+    (``local-dir:``, ``hf-hub:``) and so does transformers (``TimmWrapper``: the
+    ``pretrained_cfg`` is its image processor's config too).
 
     ``config.json``'s ``model_args`` holds exactly the constructor arguments that differ from
     the architecture's defaults (``in_chans`` where not 3), whatever timm version writes it:
@@ -548,8 +604,8 @@ def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, A
     out = check_out_dir(out)
     in_chans = _in_chans(model)
     model_args = {"in_chans": in_chans} if in_chans != 3 else {}
-    save_for_hf(model, out, model_config=_label_names(model), model_args=model_args or None,
-                safe_serialization=True)
+    save_for_hf(model, out, model_config=class_names(model, classes)[0],
+                model_args=model_args or None, safe_serialization=True)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     config.pop("model_args", None)
