@@ -39,6 +39,7 @@ import functools
 import logging
 import os
 import threading
+import warnings
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, NamedTuple
 from typing import Optional, Sequence, Tuple, Union
 
@@ -96,17 +97,49 @@ def set_backend(name: Optional[str]) -> None:
     _process_backend = None if name is None else _check_name(name)
 
 
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[str]:
-    """Within the ``with`` block (in this thread), ops without an explicit ``backend=`` use
-    ``name``."""
-    name = _check_name(name)
-    previous = getattr(_context, "backend", None)
-    _context.backend = name
-    try:
-        yield name
-    finally:
-        _context.backend = previous
+class use_backend(contextlib.ContextDecorator):
+    """Ops without an explicit ``backend=`` use ``name`` inside a ``with`` block, or inside every
+    call of a function decorated with ``@use_backend(name)``; per thread, restored on exit.
+
+    ``name`` is checked here, when ``use_backend(name)`` is called, so an unknown one raises at
+    once. Called bare, without ``with`` or a decorated function, it does nothing, as any context
+    manager; so that this cannot pass unnoticed, a ``use_backend`` that is never entered warns
+    (``RuntimeWarning``, like a coroutine never awaited) when it is dropped.
+    :func:`set_backend` is the call that sets the backend for the whole process."""
+
+    _used = True  # until __init__ has checked the name: a rejected name raised, no warning
+
+    def __init__(self, name: str):
+        self.name = _check_name(name)
+        self._previous: List[Optional[str]] = []  # a stack: the same object may be re-entered
+        self._used = False
+
+    def __enter__(self) -> str:
+        self._used = True
+        self._previous.append(getattr(_context, "backend", None))
+        _context.backend = self.name
+        return self.name
+
+    def __exit__(self, *exc) -> None:
+        _context.backend = self._previous.pop()
+
+    def __call__(self, func):
+        self._used = True
+        return super().__call__(func)
+
+    def _recreate_cm(self) -> "use_backend":
+        return use_backend(self.name)  # a fresh one per decorated call: threads, recursion
+
+    def __repr__(self) -> str:
+        return f"use_backend({self.name!r})"
+
+    def __del__(self) -> None:
+        if not self._used:
+            warnings.warn(
+                f"attnzoo.use_backend({self.name!r}) was never entered, so it changed nothing: "
+                f"use `with attnzoo.use_backend({self.name!r}):` for a block (or decorate a "
+                f"function with it), attnzoo.set_backend({self.name!r}) for the whole process",
+                RuntimeWarning, stacklevel=2)
 
 
 def reset() -> None:
@@ -331,10 +364,15 @@ def observe_ops(observer: Callable[[str, str, int], ContextManager]) -> Iterator
 
 def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
     """Run ``op`` for call ``key`` on the backend the selection rules give; ``args`` (already
-    validated by the public op) go to the implementation unchanged."""
+    validated by the public op) go to the implementation unchanged.
+
+    A call with an empty tensor (a batch of 0) is still resolved, so an unsupported request
+    raises as for any other size, but the torch reference computes it: its result is empty
+    (or a reduction over nothing), and kernels may refuse empty launches (NATTEN does)."""
     spec = _OPS[op]
     name = resolve(op, key, backend)
-    impl = spec.backends[name].impl
+    empty = any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
+    impl = spec.backends["torch" if empty else name].impl
     if not _observers:
         return impl(*args)
     with contextlib.ExitStack() as stack:

@@ -32,6 +32,7 @@ import copy
 import importlib
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
@@ -40,15 +41,16 @@ import torch
 
 from . import __version__, backends
 from .models import list_models, model_family
-from .models._helpers import HUB_ORG, hub_repo
+from .models._helpers import HUB_ORG, checkpoint_kind, hub_repo
 from .profiling import count_macs, count_params
 
 __all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "TRANSFORMERS_WITHOUT_ATTNZOO", "read_checkpoint",
-           "load_official", "save_converted", "load_checkpoint_model", "check_finite",
-           "evaluate", "measure_facts", "backends_here", "config_line", "input_sizes",
-           "weights_source", "class_names", "model_card", "transformers_usage", "readme",
-           "model_cards_markdown", "publish_table", "check_repo_id", "check_out_dir",
-           "write_hub_folder", "check_reload", "check_token", "upload"]
+           "load_official", "CONVERTED_FORMATS", "check_output_path", "save_converted",
+           "load_checkpoint_model", "check_finite", "evaluate", "measure_facts", "backends_here",
+           "config_line", "input_sizes", "weights_source", "class_names", "model_card",
+           "transformers_usage", "readme", "model_cards_markdown", "publish_table",
+           "check_repo_id", "check_out_dir", "write_hub_folder", "check_reload", "check_token",
+           "upload"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -98,28 +100,31 @@ def read_checkpoint(path: PathLike) -> Dict[str, Any]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    kind = "safetensors" if path.endswith(".safetensors") else checkpoint_kind(path)
+    if kind is None:
+        raise ValueError(f"{path!r} is not a torch or safetensors checkpoint: its first bytes are "
+                         "neither a torch.save file's (a zip archive or a pickle) nor a "
+                         "safetensors header")
     try:
-        if path.endswith(".safetensors") or _file_kind(path) == "safetensors":
+        if kind == "safetensors":
             import safetensors.torch
             return safetensors.torch.load_file(path, device="cpu")
         torch.serialization.add_safe_globals([argparse.Namespace])
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message advises weights_only=False over several lines; keep only the cause
+        text = " ".join(str(e).split())
+        cause = re.search(r"WeightsUnpickler error: *(.*?)(\. |$)", text)
+        cause = cause.group(1) if cause else text.split(". ")[0]
+        hint = ("; it holds Python objects besides tensors: if you trust it, load it yourself "
+                "and torch.save its state_dict" if "global" in cause.lower()
+                else " (corrupted or truncated?)")
+        raise ValueError(f"{path!r} cannot be read by torch.load(weights_only=True), which runs no "
+                         f"code from the file: {cause}{hint}") from e
     except Exception as e:  # noqa: BLE001 - report what the file is not, with the cause
         cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"{path!r} is not a readable torch or safetensors checkpoint (corrupted "
                          f"or truncated?): {type(e).__name__}: {cause}") from e
-
-
-def _file_kind(path: PathLike) -> Optional[str]:
-    """``'torch'`` or ``'safetensors'`` by the file's first bytes, else None."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if head[:4] == b"PK\x03\x04" or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
-        return "torch"  # torch.save: a zip archive, or a pickle (PROTO opcode, protocol 2-5)
-    # safetensors: little-endian u64 header length, then the JSON header
-    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 1:
-        return "safetensors"
-    return None
 
 
 def _family_module(model_name: str):
@@ -135,8 +140,8 @@ def _read_any(model_name: str, path: PathLike) -> Any:
     module = _family_module(model_name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {os.fspath(path)!r} does not exist")
-    reader = read_checkpoint if _file_kind(path) else getattr(module, "read_checkpoint",
-                                                              read_checkpoint)
+    reader = read_checkpoint if checkpoint_kind(path) else getattr(module, "read_checkpoint",
+                                                                   read_checkpoint)
     return reader(path)
 
 
@@ -156,10 +161,35 @@ def load_official(model_name: str, path: PathLike, **model_kwargs) -> Dict[str, 
     return _convert(model_name, _read_any(model_name, path), **model_kwargs)
 
 
+# The files `attnzoo convert` writes, by the output's extension: both load with timm's
+# ``pretrained_cfg_overlay=dict(file=...)``, which reads ``.safetensors`` and torch.load's others.
+CONVERTED_FORMATS = {".safetensors": "safetensors", ".pth": "torch", ".pt": "torch",
+                     ".bin": "torch"}
+
+
+def check_output_path(path: PathLike) -> str:
+    """The format :func:`save_converted` writes to ``path`` (by its extension), after checking
+    that its folder exists; ``ValueError`` otherwise, before any work is done."""
+    path = os.fspath(path)
+    kind = CONVERTED_FORMATS.get(os.path.splitext(path)[1].lower())
+    if kind is None:
+        raise ValueError(f"output {path!r}: unknown extension; accepted: "
+                         f"{', '.join(CONVERTED_FORMATS)} (safetensors recommended)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"output {path!r}: folder {folder!r} does not exist")
+    return kind
+
+
 def save_converted(state_dict: Dict[str, torch.Tensor], path: PathLike) -> None:
-    """Write a converted state dict as safetensors (what timm's ``file=`` overlay loads)."""
+    """Write a converted state dict as safetensors or, for ``.pth`` / ``.pt`` / ``.bin``, with
+    ``torch.save`` (both what timm's ``file=`` overlay loads)."""
+    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    if check_output_path(path) == "torch":
+        torch.save(tensors, os.fspath(path))
+        return
     import safetensors.torch
-    safetensors.torch.save_file({k: v.contiguous() for k, v in state_dict.items()}, os.fspath(path))
+    safetensors.torch.save_file(tensors, os.fspath(path))
 
 
 def load_checkpoint_model(model_name: str, path: PathLike,

@@ -478,6 +478,12 @@ def test_convert_cli_and_load_through_timm(tmp_path, capsys):
     params = nest(_random_official(manifest, seed=1))
     ckpt, out = tmp_path / 'checkpoint_375000', tmp_path / 'qna_vit_tiny.safetensors'
     write_flax_checkpoint(ckpt, params)
+    # the unconverted Flax file given to timm directly: one error naming the fix, before
+    # torch.load fails on it (it used to end in an IndexError inside the unpickler)
+    with pytest.raises(ValueError, match=f'not a torch or safetensors checkpoint.*attnzoo convert '
+                                         f'qna_vit_tiny {ckpt}'):
+        timm.create_model('qna_vit_tiny', pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(ckpt)))
     assert cli.main(['convert', 'qna_vit_tiny', str(ckpt), str(out)]) == 0
     assert 'wrote' in capsys.readouterr().out
     model = timm.create_model('qna_vit_tiny', pretrained=True,

@@ -48,7 +48,7 @@ def _as_tuple(value: IntOrTuple, n: int, name: str) -> Tuple[int, ...]:
     raise TypeError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
 
 
-def _check_call(q, k, v, kernel_size, dilation, rpb, n: int):
+def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
     """Validate an NA call; returns (kernel_size, dilation) as tuples."""
     fn = f"na{n}d"
     layout = "[B, L, heads, head_dim]" if n == 1 else "[B, H, W, heads, head_dim]"
@@ -62,6 +62,8 @@ def _check_call(q, k, v, kernel_size, dilation, rpb, n: int):
     if q.shape != k.shape or q.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"{fn}: q and k must have the same shape and v the same [B, *spatial, "
                          f"heads]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"{fn}: q and k need a head_dim >= 1, got shape {tuple(q.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError(f"{fn}: q, k, v must share dtype and device; got "
                          f"{q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
@@ -80,13 +82,16 @@ def _check_call(q, k, v, kernel_size, dilation, rpb, n: int):
                 "(pad the input, as NAT does for small images)")
     if rpb is not None:
         expected = (q.shape[-2],) + tuple(2 * K - 1 for K in ks)
-        if not isinstance(rpb, torch.Tensor):
-            raise TypeError(f"{fn}: rpb must be a torch.Tensor or None, got {type(rpb).__name__}")
+        if not isinstance(rpb, torch.Tensor) or not rpb.is_floating_point():
+            raise TypeError(f"{fn}: rpb must be a floating-point torch.Tensor or None, got "
+                            f"{rpb.dtype if isinstance(rpb, torch.Tensor) else type(rpb).__name__}")
         if tuple(rpb.shape) != expected:
             raise ValueError(f"{fn}: rpb must have shape [heads, 2K-1, ...] = {expected}, "
                              f"got {tuple(rpb.shape)}")
         if rpb.device != q.device:
             raise ValueError(f"{fn}: rpb is on {rpb.device} but q is on {q.device}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"{fn}: scale must be a float or None, got {scale!r}")
     return ks, dil
 
 
@@ -251,14 +256,19 @@ def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
     B, spatial, heads = q.shape[0], tuple(int(s) for s in q.shape[1:1 + n]), q.shape[-2]
     plan = _plan_constant(spatial, tuple(kernel_size), tuple(dilation), q.device, q.dtype)
 
+    # sizes written out, never -1: an empty batch must reshape too
+    N = math.prod(spatial)
+
     def tiled(x, index):  # [B, *spatial, heads, c] -> [B, heads * tiles, rows, c]
         c = x.shape[-1]
+        rows = (N if index is None else index.numel()) // plan.tiles
+        x = x.reshape(B, N, heads, c).transpose(1, 2)
         if index is None:  # tiles in natural order (a view when there is one tile)
-            return x.reshape(B, -1, heads, c).transpose(1, 2).reshape(B, heads * plan.tiles, -1, c)
+            return x.reshape(B, heads * plan.tiles, rows, c)
         # Head-major first (one copy of the map), then one gather of the tile rows straight
         # into SDPA's layout: key regions overlap, so this moves ~3x less than the reverse.
-        x = x.reshape(B, -1, heads, c).transpose(1, 2).reshape(B * heads, -1, c)
-        return _gather_rows(x, index).view(B, heads * plan.tiles, -1, c)
+        x = x.reshape(B * heads, N, c)
+        return _gather_rows(x, index).view(B, heads * plan.tiles, rows, c)
 
     qt, kt, vt = tiled(q, plan.q_index), tiled(k, plan.k_index), tiled(v, plan.k_index)
     bias = _bias(plan, rpb, heads, q.dtype)
@@ -269,7 +279,7 @@ def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
     out = out.reshape(B * heads, plan.tiles * plan.tq, v.shape[-1])  # contiguous: fast gather
     if plan.out_index is not None:
         out = _gather_rows(out, plan.out_index)
-    return out.view(B, heads, -1, v.shape[-1]).transpose(1, 2).reshape(
+    return out.view(B, heads, N, v.shape[-1]).transpose(1, 2).reshape(
         B, *spatial, heads, v.shape[-1])
 
 
@@ -299,9 +309,9 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[:, index]`` for ``x [G, M, r]``, as one gather along dim 0 of ``[G * M, r]``: on CPU
     ``index_select`` along an inner dim takes a serial path that is 10-20x slower (it was most of
     the NA reference's non-attention time), and so does its backward."""
-    G, M = x.shape[0], x.shape[1]
+    G, M, r = x.shape
     flat = (torch.arange(G, device=index.device) * M).unsqueeze(1) + index.unsqueeze(0)
-    return x.reshape(G * M, -1).index_select(0, flat.reshape(-1)).view(G, index.numel(), -1)
+    return x.reshape(G * M, r).index_select(0, flat.reshape(-1)).view(G, index.numel(), r)
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,6 +358,8 @@ def _natten_support(call: NACall) -> Optional[str]:
         return None
     if call.rpb:
         return "NATTEN >= 0.20 has no relative positional bias (rpb)"
+    if call.kernel_size and min(call.kernel_size) < 2:
+        return f"NATTEN >= 0.20 needs kernel_size >= 2, got {call.kernel_size}"
     if call.dtype not in _NATTEN_DTYPES:
         return f"NATTEN supports {', '.join(map(str, _NATTEN_DTYPES))}, not {call.dtype}"
     if call.device == "cpu":
@@ -482,7 +494,7 @@ backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear)
 # --------------------------------------------------------------------------------------------
 
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
-    ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, n)
+    ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and any(

@@ -78,7 +78,8 @@ def _map_max_if_exact(logits: torch.Tensor, rpb: torch.Tensor, stride: int
     hi = flat.amax(1).view(B, W, L, h).amax(1)                        # [B, L, h]
     lo = flat.amin(1).view(B, W, L, h).amin(1)
     spread = rpb.amax((-2, -1)) - rpb.amin((-2, -1))                 # [L, h]
-    exact = float((hi - lo + spread).max()) < limit  # no window can be that far down: usual
+    # no window can be that far down: the usual case (and an empty batch's)
+    exact = hi.numel() == 0 or float((hi - lo + spread).max()) < limit
     if not exact:  # per window: its max logit (max-pool pads with -inf: out-of-bounds excluded)
         window_max = F.max_pool2d(logits.reshape(B, H, W, L * h).permute(0, 3, 1, 2), k, stride,
                                   (k - 1) // 2)                      # [B, L*h, Ho, Wo]

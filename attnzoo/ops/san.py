@@ -146,13 +146,14 @@ def _pad(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
 def _centre(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     """``x`` at every output position's centre tap, ``[N, C, 1, L]``."""
     sh, sw = fp.stride
-    return x[:, :, ::sh, ::sw].reshape(x.shape[0], x.shape[1], 1, -1)
+    centre = x[:, :, ::sh, ::sw]
+    return centre.reshape(x.shape[0], x.shape[1], 1, centre.shape[-2] * centre.shape[-1])
 
 
 def _neighbours(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     """Every output position's footprint of ``x``, ``[N, C, kk, L]``."""
     cols = F.unfold(_pad(x, fp), fp.kernel_size, dilation=fp.dilation, stride=fp.stride)
-    return cols.view(x.shape[0], x.shape[1], fp.taps, -1)
+    return cols.view(x.shape[0], x.shape[1], fp.taps, cols.shape[-1])
 
 
 def subtraction_reference(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
