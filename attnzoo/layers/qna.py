@@ -58,8 +58,8 @@ def qna_logits(x: torch.Tensor, queries: torch.Tensor, key_weight: torch.Tensor,
     q = q / (torch.linalg.vector_norm(q, dim=-1, keepdim=True) + 1e-6) / math.sqrt(head_dim)
     fused = torch.einsum('lhd,hdc->clh', q, key_weight.reshape(num_heads, head_dim, -1))
     logits = torch.matmul(x, fused.reshape(fused.shape[0], L * num_heads))
-    # reshape, not unflatten: the TorchScript ONNX exporter bakes unflatten's shape in
-    return logits.reshape(*x.shape[:-1], L, num_heads)
+    # reshape by x's sizes, not unflatten: the TorchScript ONNX exporter bakes unflatten's in
+    return logits.reshape(x.shape[0], x.shape[1], x.shape[2], L, num_heads)
 
 
 class _QueriesAndAttend(nn.Module):
@@ -112,7 +112,7 @@ class _QueriesAndAttend(nn.Module):
 
     def logits_and_values(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         logits = qna_logits(x, self.queries, self.k.weight, self.num_heads)
-        v = self.v(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        v = self.v(x).reshape(x.shape[0], x.shape[1], x.shape[2], self.num_heads, self.head_dim)
         return logits, v
 
 
@@ -288,15 +288,18 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     wh, nh = window_layout(H, window_size)
     ww, nw = window_layout(W, window_size)
     pad_h, pad_w = nh * wh - H, nw * ww - W
-    # An exported graph serves every size: it always pads (maybe by 0) and masks.
-    padded = backends.exporting() or pad_h > 0 or pad_w > 0
+    if torch.jit.is_scripting():  # (TorchScript compiles neither the check nor the export)
+        padded = pad_h > 0 or pad_w > 0
+    else:  # an exported graph serves every size: it always pads (maybe by 0) and masks
+        padded = backends.exporting() or pad_h > 0 or pad_w > 0
     if padded:
         qkv = F.pad(qkv, (0, 0, 0, pad_w, 0, pad_h))
     n = wh * ww
     qkv = qkv.reshape(B, nh, wh, nw, ww, 3, num_heads, head_dim)
     q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
                                                           head_dim).unbind(0)
-    scale = None  # SDPA's head_dim ** -0.5; torch 2.4's TorchScript ONNX exporter fails on a float
+    # None: SDPA's head_dim ** -0.5 (torch 2.4's TorchScript ONNX exporter fails on a float)
+    scale: Optional[float] = None
     if attn_norm == "quest":
         k, scale = l2_normalize(k), 1.0
     index = relative_position_index(wh, ww, window_size, table.device)
