@@ -247,17 +247,27 @@ def _choose(op: str, fields: tuple, requested: Optional[str]) -> str:
 _choose.__name__ = "_attnzoo_chosen_backend"
 
 
-def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
+def resolve(op: str, key: tuple, backend: Optional[str] = None,
+            args: Sequence[Any] = ()) -> str:
     """The concrete backend that will run ``op`` for call ``key`` (cached per call key).
 
     ``backend`` is the explicit argument (``None``: context/process/env/auto). Raises
     :class:`BackendUnsupportedError` when an explicitly requested backend cannot run the call,
-    naming the backends that can; ``auto`` falls back to the torch reference last.
+    naming the backends that can and describing the call's ``args`` (shapes, dtypes, devices);
+    ``auto`` falls back to the torch reference last.
     """
     choice = _choose(op, tuple(key), _requested(backend))
     if choice.startswith("!"):
-        raise _ERRORS[choice[1]](choice[2:])
+        message = choice[2:]
+        if choice[1] == "U" and args:
+            message += f" The call: {op}({_describe(args)})."
+        raise _ERRORS[choice[1]](message)
     return choice
+
+
+def _describe(args: Sequence[Any]) -> str:
+    return ", ".join(f"{str(a.dtype).replace('torch.', '')}{list(a.shape)} on {a.device}"
+                     if isinstance(a, torch.Tensor) else repr(a) for a in args)
 
 
 # Context-manager factories ``observer(op, backend, macs)`` entered around every dispatched call
@@ -280,7 +290,7 @@ def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
     """Run ``op`` for call ``key`` on the backend the selection rules give; ``args`` (already
     validated by the public op) go to the implementation unchanged."""
     spec = _OPS[op]
-    name = resolve(op, key, backend)
+    name = resolve(op, key, backend, args)
     impl = spec.backends[name].impl
     if not _observers:
         return impl(*args)
