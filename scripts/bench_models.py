@@ -11,7 +11,6 @@ median over the rounds, and the ratio to the reference model is printed per mode
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 
@@ -19,24 +18,7 @@ import timm
 import torch
 
 import attnzoo  # noqa: F401  (registers the models)
-from attnzoo.profiling import time_steps
-
-
-def _infer(model, x):
-    def step():
-        with torch.no_grad():
-            model(x)
-    return step
-
-
-def _train(model, x, optimizer):
-    target = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x).float(), target).backward()
-        optimizer.step()
-    return step
+from attnzoo.profiling import device_name, fmt, model_step, table, time_steps
 
 
 def main() -> int:
@@ -59,20 +41,21 @@ def main() -> int:
     autocast = torch.autocast(args.device, dtype=dtype, enabled=dtype != torch.float32)
     names = [args.reference] + [m for m in args.models.split(",") if m]
     modes = ["inference"] + (["train"] if args.train else [])
-    where = (f"{platform.processor() or platform.machine()}, {args.threads} threads"
-             if args.device == "cpu" else torch.cuda.get_device_name())
+    where = device_name(device) + (f", {args.threads} threads" if args.device == "cpu" else "")
     print(f"{where}, torch {torch.__version__}, {args.dtype}", flush=True)
     steps = {}
     for name in names:
-        model = timm.create_model(name).to(device)
         for mode in modes:
+            # a model per mode: the training step runs in train mode (drop path, batch norm)
+            model = timm.create_model(name).to(device).train(mode == "train")
             batch = args.batch_size if mode == "inference" else args.train_batch_size
             x = torch.randn(batch, 3, args.img_size, args.img_size, device=device)
             if mode == "inference":
-                steps[name, mode] = (batch, _infer(model.eval(), x))
+                steps[name, mode] = (batch, model_step(model, x))
             else:
                 optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-                steps[name, mode] = (batch, _train(model, x, optimizer))
+                steps[name, mode] = (batch, model_step(model, x, backward=True,
+                                                       optimizer=optimizer))
     times = {key: [] for key in steps}
     for r in range(args.rounds):
         for (name, mode), (batch, step) in steps.items():
@@ -80,14 +63,15 @@ def main() -> int:
             with autocast:
                 times[name, mode] += time_steps(step, device, warmup=1 if r == 0 else 0,
                                                 repeats=1)
-    print(f"{'model':32s} {'mode':9s} {'batch':>5s} {'img/s':>9s} {'vs ' + args.reference:>12s}")
+    rows = []
     for mode in modes:
         ref = None
         for name in names:
             batch = steps[name, mode][0]
             ips = batch / statistics.median(times[name, mode])
             ref = ref or ips
-            print(f"{name:32s} {mode:9s} {batch:5d} {ips:9.2f} {ips / ref:11.2f}x")
+            rows.append([name, mode, str(batch), fmt(ips), fmt(ips / ref, suffix="x")])
+    print(table(["model", "mode", "batch", "img/s", "vs " + args.reference], rows))
     return 0
 
 

@@ -4,19 +4,19 @@ test: it prints ratios measured in one run (and optionally writes JSON and a PNG
 
 Part 1, every op: for each op in ``attnzoo.backends.registered_ops()`` and each call of
 ``attnzoo.backends.op_examples(op, device, dtype)`` (the families' real shapes), every backend
-(torch, natten, cuda) that can run it: time and peak memory of the forward (under no_grad) and of
-forward+backward, and the ratio of the torch reference's time to each backend's. Only the op is
-timed (an ``observe_ops`` observer around the dispatched call, plus ``backward()``), not the
-example's input creation.
+of ``attnzoo.backends.CONCRETE_BACKENDS`` that can run it: time and peak memory of the forward
+(under no_grad) and of forward+backward, and the ratio of the torch reference's time to each
+backend's. Only the op is timed (an ``observe_ops`` observer around the dispatched call, plus
+``backward()``), not the example's input creation.
 
 Part 2, NA at NAT-tiny's stage shapes (224 px: 56/28/14/7 px, 2/4/8/16 heads, head dim 32,
-K=7) and DiNAT's dilated ones: attnzoo ``cuda`` with RPB (and without), the ``torch`` reference
-with RPB, ``natten`` (NATTEN >= 0.20 has no RPB) and FlexAttention with a neighborhood block
-mask (compiled; dilation and clamped windows in its mask_mod, no RPB), with the ratios
-flex / cuda, torch / cuda and natten / cuda. On a GPU it also prints the achieved fraction of
-the memory-bandwidth bound (reading q, k, v and writing o once for the forward; reading
-q, k, v, o, dO and writing dQ, dK, dV once more for the backward) at the device's peak
-bandwidth (from its memory clock and bus width, or --peak-gbps).
+K=7) and DiNAT's dilated ones: every backend with RPB (``cuda+rpb``, ...) and without (NATTEN
+>= 0.20 has no RPB) and FlexAttention with a neighborhood block mask (compiled; dilation and
+clamped windows in its mask_mod, no RPB), with the ratio of each to attnzoo's ``cuda+rpb``.
+On a GPU it also prints the achieved fraction of the memory-bandwidth bound (reading q, k, v and
+writing o once for the forward; reading q, k, v, o, dO and writing dQ, dK, dV once more for the
+backward) at the device's peak bandwidth (from its memory clock and bus width, or
+--peak-gbps). Timing and memory: :mod:`attnzoo.profiling`.
 
 GPU targets (issue 10, bf16, forward and forward+backward, K=7, NAT-tiny stages): cuda+rpb
 >= 2x faster than flex (no rpb) and >= 5x faster than the torch reference.
@@ -29,16 +29,12 @@ GPU targets (issue 10, bf16, forward and forward+backward, K=7, NAT-tiny stages)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import platform
-import statistics
 import sys
-import time
 import warnings
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Dict, List, Optional
 
 os.environ.pop("TRITON_INTERPRET", None)  # a benchmark of the interpreter is meaningless
 
@@ -47,120 +43,20 @@ import torch  # noqa: E402
 import attnzoo  # noqa: E402,F401  (registers the ops)
 from attnzoo import backends  # noqa: E402
 from attnzoo.ops import na2d  # noqa: E402
+from attnzoo.profiling import (CLOCKS, DTYPES, Timing, device_name, first_line, fmt,  # noqa: E402
+                               table, time_call, time_op_calls)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-CONCRETE = ("torch", "natten", "cuda")
-# time.perf_counter (wall) by default; --clock process measures this process's CPU time, which
-# other processes on a shared CPU machine disturb much less (use it with --threads 1).
-clock = time.perf_counter
-TARGETS = {"flex": 2.0, "torch": 5.0}  # required speed-up of cuda+rpb over these (GPU)
-
-
-# ---------------------------------------------------------------------------------------------
-# measuring
-# ---------------------------------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _rss_mib(field: str) -> Optional[float]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-class Memory:
-    """Peak memory above what was allocated at ``start()``: CUDA allocator statistics, or on
-    CPU the growth of the peak resident set (Linux; an indicator only: memory the allocator
-    already holds is reused without growing it)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.base = None
-
-    def start(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")  # resets VmHWM to the current RSS
-                self.base = _rss_mib("VmRSS")
-            except OSError:
-                self.base = None
-
-    def peak_mib(self) -> Optional[float]:
-        if self.base is None:
-            return None
-        if self.device.type == "cuda":
-            return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2 ** 20
-        hwm = _rss_mib("VmHWM")
-        return None if hwm is None else max(hwm - self.base, 0.0)
-
-
-class Timing(NamedTuple):
-    ms: float                 # median
-    peak_mib: Optional[float]
-
-
-def time_op_calls(run: Callable[[], torch.Tensor], device: torch.device, backward: bool,
-                  warmup: int, repeats: int) -> Timing:
-    """Median time of the attnzoo op calls inside ``run()`` (observed at dispatch) plus, with
-    ``backward``, of ``out.backward(grad)``; peak memory from the op's entry to the end."""
-    memory = Memory(device)
-    spent: List[float] = []
-
-    @contextlib.contextmanager
-    def observer(op, backend, macs):
-        _sync(device)
-        memory.start()
-        start = clock()
-        yield
-        _sync(device)
-        spent.append(clock() - start)
-
-    times, peaks = [], []
-    for i in range(warmup + repeats):
-        spent.clear()
-        grad_ctx = contextlib.nullcontext() if backward else torch.no_grad()
-        with grad_ctx, backends.observe_ops(observer):
-            out = run()
-        total = sum(spent)
-        if backward:
-            grad = torch.randn_like(out)
-            _sync(device)
-            start = clock()
-            out.backward(grad)
-            _sync(device)
-            total += clock() - start
-        peak = memory.peak_mib()
-        del out
-        if i >= warmup:
-            times.append(total * 1e3)
-            peaks.append(peak)
-    peaks = [p for p in peaks if p is not None]
-    return Timing(statistics.median(times), max(peaks) if peaks else None)
-
-
-def fmt(x: Optional[float], spec: str = ".2f", width: int = 9) -> str:
-    return (format(x, spec) if x is not None else "n/a").rjust(width)
+REFERENCE = "torch"  # the backend every other one is compared with (part 1) and checked against
+OURS = "cuda+rpb"    # part 2: attnzoo's NA kernel with NAT's relative positional bias
+TARGETS = {"flex": 2.0, "torch+rpb": 5.0}  # required speed-up of OURS over these (GPU, issue 10)
 
 
 _SEEN_REASONS: set = set()
 
 
-def _first_line(e: BaseException) -> str:
+def _reason(e: BaseException) -> str:
     """The error's first line, or a back-reference once it was printed in full."""
-    text = str(e).strip().splitlines()
-    line = text[0] if text else type(e).__name__
+    line = first_line(e)
     if line in _SEEN_REASONS:
         return "(as above)"
     _SEEN_REASONS.add(line)
@@ -184,24 +80,24 @@ def part_ops(args, device, dtype) -> List[dict]:
             for backward in ([False, True] if args.backward else [False]):
                 kind = "fwd+bwd" if backward else "fwd"
                 results: Dict[str, Timing] = {}
-                for backend in CONCRETE:
+                for backend in backends.CONCRETE_BACKENDS:
                     repeats = args.repeats
                     if backend == "natten" and device.type == "cpu":
                         repeats = min(repeats, args.cpu_natten_repeats)  # seconds per call
                     try:
                         t = time_op_calls(lambda: run(backend), device, backward, args.warmup,
-                                          repeats)
+                                          repeats, clock=CLOCKS[args.clock])
                     except backends.BackendUnsupportedError as e:
-                        print(f"  {kind:7s} {backend:6s} unavailable: {_first_line(e)}",
+                        print(f"  {kind:7s} {backend:6s} unavailable: {_reason(e)}",
                               flush=True)
                         continue
                     except (RuntimeError, NotImplementedError) as e:
-                        print(f"  {kind:7s} {backend:6s} failed: {_first_line(e)}", flush=True)
+                        print(f"  {kind:7s} {backend:6s} failed: {_reason(e)}", flush=True)
                         continue
                     results[backend] = t
-                    ref = results.get("torch")
-                    ratio = (f"  torch/{backend} {ref.ms / t.ms:6.2f}x"
-                             if ref and backend != "torch" else "")
+                    ref = results.get(REFERENCE)
+                    ratio = (f"  {REFERENCE}/{backend} {ref.ms / t.ms:6.2f}x"
+                             if ref and backend != REFERENCE else "")
                     print(f"  {kind:7s} {backend:6s} {t.ms:10.3f} ms  "
                           f"peak +{fmt(t.peak_mib, '.1f', 0)} MiB{ratio}", flush=True)
                 rows.append(dict(part=1, op=op, case=label, kind=kind,
@@ -269,98 +165,81 @@ def part_na(args, device, dtype) -> List[dict]:
         base = [torch.randn(shape, generator=g).to(device=device, dtype=dtype) for _ in range(3)]
         rpb0 = (torch.randn((shape[3], 2 * K - 1, 2 * K - 1), generator=g) * 0.1).to(
             device=device, dtype=dtype)
+        # every backend with NAT's rpb and without (one that cannot say so, e.g. NATTEN >= 0.20
+        # has no rpb), then FlexAttention (no rpb)
         variants = {
-            "cuda+rpb": lambda q, k, v, rpb: na2d(q, k, v, kernel_size=K, dilation=d, rpb=rpb,
-                                                  backend="cuda"),
-            "cuda": lambda q, k, v, rpb: na2d(q, k, v, kernel_size=K, dilation=d,
-                                              backend="cuda"),
-            "torch+rpb": lambda q, k, v, rpb: na2d(q, k, v, kernel_size=K, dilation=d, rpb=rpb,
-                                                   backend="torch"),
-            "natten": lambda q, k, v, rpb: na2d(q, k, v, kernel_size=K, dilation=d,
-                                                backend="natten"),
-        }
+            f"{b}+rpb" if with_rpb else b:
+                lambda q, k, v, rpb, b=b, with_rpb=with_rpb: na2d(
+                    q, k, v, kernel_size=K, dilation=d, rpb=rpb if with_rpb else None, backend=b)
+            for b in backends.CONCRETE_BACKENDS for with_rpb in (True, False)}
         if not args.no_flex:
             try:
                 flex = flex_na(shape, K, d, device, compile_=True)
                 variants["flex"] = lambda q, k, v, rpb: flex(q, k, v)
             except (ImportError, RuntimeError) as e:
-                print(f"  flex unavailable: {_first_line(e)}", flush=True)
-        # the torch reference without rpb, to check the others compute the same function
+                print(f"  flex unavailable: {_reason(e)}", flush=True)
+        # the reference without rpb, to check the others compute the same function
         with torch.no_grad():
-            expected = na2d(*base, kernel_size=K, dilation=d, backend="torch").float()
-        row = dict(part=2, case=label, shape=list(shape), kernel=K, dilation=d)
+            expected = na2d(*base, kernel_size=K, dilation=d, backend=REFERENCE).float()
+        row = dict(part=2, case=label, shape=list(shape), kernel=K, dilation=d,
+                   variants=list(variants))
         elem = torch.finfo(dtype).bits // 8
         tensor_bytes = math.prod(shape) * elem
         for backward in ([False, True] if args.backward else [False]):
             kind = "fwd+bwd" if backward else "fwd"
             for name, fn in variants.items():
                 repeats = args.repeats
-                if name == "natten" and device.type == "cpu":
+                if name.startswith("natten") and device.type == "cpu":
                     repeats = min(repeats, args.cpu_natten_repeats)
                 inputs = [t.clone().requires_grad_(backward) for t in base]
                 rpb = rpb0.clone().requires_grad_(backward)
                 diff = None
                 try:
-                    if name in ("cuda", "natten", "flex") and not backward:
+                    if "+rpb" not in name and name != REFERENCE and not backward:
                         with torch.no_grad():
                             diff = (fn(*inputs, rpb).float() - expected).abs().max().item()
-                    t = time_fn(lambda: fn(*inputs, rpb), device, backward, args.warmup,
-                                repeats)
+                    t = time_call(lambda: fn(*inputs, rpb), device, backward, args.warmup,
+                                  repeats, clock=CLOCKS[args.clock])
                 except (backends.BackendUnsupportedError, RuntimeError, NotImplementedError,
                         ImportError) as e:
-                    print(f"  {kind:7s} {name:9s} unavailable: {_first_line(e)}", flush=True)
+                    print(f"  {kind:7s} {name:9s} unavailable: {_reason(e)}", flush=True)
                     continue
                 row[f"{name}_{kind}_ms"] = t.ms
                 row[f"{name}_{kind}_peak_mib"] = t.peak_mib
-                extra = f"  max|diff| vs torch (no rpb) {diff:.1e}" if diff is not None else ""
-                if peak_gbps and name.startswith("cuda"):
+                extra = (f"  max|diff| vs {REFERENCE} (no rpb) {diff:.1e}" if diff is not None
+                         else "")
+                if peak_gbps:
                     moved = tensor_bytes * (12 if backward else 4)
                     fraction = moved / (peak_gbps * 1e9) / (t.ms * 1e-3)
                     row[f"{name}_{kind}_bw_fraction"] = fraction
                     extra += f"  {100 * fraction:5.1f}% of the bandwidth bound"
                 print(f"  {kind:7s} {name:9s} {t.ms:10.3f} ms  peak +{fmt(t.peak_mib, '.1f', 0)} "
                       f"MiB{extra}", flush=True)
-            ours = row.get(f"cuda+rpb_{kind}_ms")
-            for other in ("flex", "torch+rpb", "natten"):
+            ours = row.get(f"{OURS}_{kind}_ms")
+            for other in variants:
                 theirs = row.get(f"{other}_{kind}_ms")
-                if ours and theirs:
-                    row[f"{other}_over_cuda_{kind}"] = theirs / ours
-                    target = TARGETS.get(other.split("+")[0])
+                if ours and theirs and other != OURS:
+                    row[f"{other}_over_{OURS}_{kind}"] = theirs / ours
+                    target = TARGETS.get(other)
                     met = "met" if target and theirs / ours >= target else "NOT met"
                     verdict = "" if target is None or device.type != "cuda" else (
                         f" (target >= {target:.0f}x: {met})")
-                    print(f"  {kind:7s} {other}/cuda+rpb = {theirs / ours:.2f}x{verdict}",
+                    print(f"  {kind:7s} {other}/{OURS} = {theirs / ours:.2f}x{verdict}",
                           flush=True)
         rows.append(row)
     return rows
 
 
-def time_fn(fn, device, backward: bool, warmup: int, repeats: int) -> Timing:
-    """Median time of ``fn()`` (plus ``backward`` of its output) and its peak memory."""
-    memory = Memory(device)
-    times, peaks = [], []
-    for i in range(warmup + repeats):
-        grad_ctx = contextlib.nullcontext() if backward else torch.no_grad()
-        _sync(device)
-        memory.start()
-        start = clock()
-        with grad_ctx:
-            out = fn()
-        if backward:
-            out.backward(torch.ones_like(out))  # a constant grad: no RNG inside the timing
-        _sync(device)
-        elapsed = clock() - start
-        peaks.append(memory.peak_mib())
-        del out
-        if i >= warmup:
-            times.append(elapsed * 1e3)
-    peaks = [p for p in peaks[warmup:] if p is not None]
-    return Timing(statistics.median(times), max(peaks) if peaks else None)
-
-
 # ---------------------------------------------------------------------------------------------
 # summary, plot
 # ---------------------------------------------------------------------------------------------
+
+def _variants(na_rows: List[dict]) -> List[str]:
+    """Part 2's variants measured in some case, in their order of appearance."""
+    names = dict.fromkeys(name for r in na_rows for name in r["variants"])
+    return [n for n in names if any(k.startswith(n + "_") and k.endswith("_ms")
+                                    for r in na_rows for k in r)]
+
 
 def plot(rows: List[dict], path: str) -> None:
     try:
@@ -371,10 +250,11 @@ def plot(rows: List[dict], path: str) -> None:
         print(f"matplotlib is not installed: no plot ({path}); `pip install matplotlib`")
         return
     na_rows = [r for r in rows if r["part"] == 2]
-    if not na_rows:
+    names = _variants(na_rows)
+    kinds = [k for k in ("fwd", "fwd+bwd")
+             if any(f"{n}_{k}_ms" in r for r in na_rows for n in names)]
+    if not kinds:
         return
-    kinds = [k for k in ("fwd", "fwd+bwd") if any(f"torch+rpb_{k}_ms" in r for r in na_rows)]
-    names = ["cuda+rpb", "cuda", "flex", "natten", "torch+rpb"]
     fig, axes = plt.subplots(1, len(kinds), figsize=(7 * len(kinds), 4.5), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         width = 0.8 / len(names)
@@ -395,33 +275,34 @@ def plot(rows: List[dict], path: str) -> None:
 
 
 def summary(rows: List[dict], device: torch.device) -> None:
-    """One line per NA case and pass; ratios over cuda+rpb, or over the torch reference where
-    cuda cannot run (CPU)."""
+    """One line per NA case and pass; ratios over OURS, or over the reference with rpb where
+    OURS cannot run (CPU)."""
     na_rows = [r for r in rows if r["part"] == 2]
     if not na_rows:
         return
-    names = ["cuda+rpb", "cuda", "flex", "natten", "torch+rpb"]
-    base = "cuda+rpb" if any(k.startswith("cuda+rpb_") for r in na_rows for k in r) \
-        else "torch+rpb"
-    others = [n for n in ("flex", "natten", "torch+rpb") if n != base]
-    head = (f"{'NA case':34s} {'pass':7s} " + " ".join(f"{n + ' ms':>12s}" for n in names)
-            + " " + " ".join(f"{o + '/' + base:>18s}" for o in others) + f" {'bw bound':>8s}")
-    print("\n" + head + "\n" + "-" * len(head))
+    names = _variants(na_rows)
+    base = OURS if any(k.startswith(OURS + "_") for r in na_rows for k in r) \
+        else REFERENCE + "+rpb"
+    others = [n for n in names if n != base]
+    lines = []
     for r in na_rows:
         for kind in ("fwd", "fwd+bwd"):
             ours = r.get(f"{base}_{kind}_ms")
             if ours is None:
                 continue
-            ratios = [r[f"{o}_{kind}_ms"] / ours if f"{o}_{kind}_ms" in r else None
-                      for o in others]
-            bw = r.get(f"cuda+rpb_{kind}_bw_fraction")
-            print(f"{r['case']:34s} {kind:7s} "
-                  + " ".join(fmt(r.get(f"{n}_{kind}_ms"), ".3f", 12) for n in names) + " "
-                  + " ".join(fmt(x, ".2f", 18) for x in ratios)
-                  + (f" {100 * bw:7.1f}%" if bw is not None else f" {'n/a':>8s}"))
+            bw = r.get(f"{OURS}_{kind}_bw_fraction")
+            lines.append([r["case"], kind]
+                         + [fmt(r.get(f"{n}_{kind}_ms"), ".3f") for n in names]
+                         + [fmt(r[f"{o}_{kind}_ms"] / ours if f"{o}_{kind}_ms" in r else None)
+                            for o in others]
+                         + [fmt(None if bw is None else 100 * bw, ".1f", suffix="%")])
+    print()
+    print(table(["NA case", "pass"] + [f"{n} ms" for n in names]
+                + [f"{o}/{base}" for o in others] + [f"{OURS} bw bound"], lines))
     if device.type == "cuda":
-        print(f"targets (issue 10): flex/cuda+rpb >= {TARGETS['flex']:.0f}, torch+rpb/cuda+rpb "
-              f">= {TARGETS['torch']:.0f}, forward and forward+backward")
+        print("targets (issue 10): " + ", ".join(f"{o}/{OURS} >= {t:.0f}"
+                                                 for o, t in TARGETS.items())
+              + ", forward and forward+backward")
 
 
 def main(argv=None) -> int:
@@ -445,7 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="memory bandwidth for the bound (default: from the device)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--clock", choices=("wall", "process"), default="wall",
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                    help="process: CPU time of this process (a shared CPU machine; with "
                         "--threads 1 it equals the wall time of a quiet machine)")
     p.add_argument("--json", default=None, help="write the results here")
@@ -463,11 +344,8 @@ def main(argv=None) -> int:
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.clock == "process":
-        if cuda:
-            p.error("--clock process measures CPU time: not meaningful for GPU kernels")
-        global clock
-        clock = time.process_time
+    if args.clock == "process" and cuda:
+        p.error("--clock process measures CPU time: not meaningful for GPU kernels")
     warnings.filterwarnings("ignore", module=r"torch\.nn\.attention\.flex_attention")
     try:
         import natten
@@ -479,8 +357,7 @@ def main(argv=None) -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    name = torch.cuda.get_device_name(device) if cuda else (platform.processor()
-                                                            or platform.machine())
+    name = device_name(device)
     print(f"# attnzoo op benchmark: {device.type} ({name}), {dtype}, threads "
           f"{torch.get_num_threads()}, torch {torch.__version__}, triton {triton_version}, "
           f"natten {natten_version}; median of {args.repeats} after {args.warmup} warm-up, "

@@ -33,6 +33,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import attnzoo
+from attnzoo.layers import QnA
+from attnzoo.profiling import PeakMemory, fmt, table, time_steps
+
 TARGET_MEMORY, TARGET_SPEED = 5.0, 3.0
 LAYERS = ("qna", "sasa", "conv")
 
@@ -62,23 +66,8 @@ class SASA(nn.Module):
         return self.proj(out.reshape(B, C, H, W).permute(0, 2, 3, 1))
 
 
-def _status_mib(field: str) -> Optional[float]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def measure(layer: str, k: int, size: int, dim: int, device: str, repeats: int) -> dict:
     """One (layer, k) in this (fresh) process: peak memory of the first forward, then times."""
-    import attnzoo
-    from attnzoo.layers import QnA
-    from attnzoo.profiling import time_steps
-
     torch.manual_seed(0)
     dev = torch.device(device)
     if layer == "qna":
@@ -96,19 +85,10 @@ def measure(layer: str, k: int, size: int, dim: int, device: str, repeats: int) 
         with torch.no_grad(), attnzoo.use_backend("torch"):
             return module(x)
 
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        run()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated(dev) - base) / 2 ** 20
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        base = _status_mib("VmRSS")
-        run()
-        peak = _status_mib("VmHWM") - base
+    memory = PeakMemory(dev)
+    memory.start()
+    run()
+    peak = memory.peak_mib()
     times = time_steps(run, dev, warmup=1, repeats=repeats)
     return {"layer": layer, "k": k, "ms": statistics.median(times) * 1e3, "peak_mib": peak}
 
@@ -148,30 +128,26 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             row = json.loads(done.stdout.strip().splitlines()[-1])
             rows[layer, k] = row
-            print(f"  k={k:2d} {layer:4s} {row['ms']:10.1f} ms   peak +{row['peak_mib']:8.1f} MiB",
-                  flush=True)
+            peak = fmt(row["peak_mib"], ".1f", 8)
+            print(f"  k={k:2d} {layer:4s} {row['ms']:10.1f} ms   peak +{peak} MiB", flush=True)
 
-    header = (f"{'k':>3s} {'qna ms':>9s} {'sasa ms':>9s} {'conv ms':>9s} {'qna MiB':>9s} "
-              f"{'sasa MiB':>9s} {'conv MiB':>9s} {'sasa/qna time':>14s} {'sasa/qna mem':>13s} "
-              f"{'conv/qna time':>14s}")
-    print("\n" + header + "\n" + "-" * len(header))
-
-    def cell(layer, k, key, spec="9.1f"):
+    def cell(layer, k, key):
         row = rows.get((layer, k))
-        return format(row[key], spec) if row else "n/a".rjust(9)
+        return fmt(row[key] if row else None, ".1f")
 
     def ratio(a, b, k, key):
-        if (a, k) in rows and (b, k) in rows and rows[b, k][key] > 0:
+        if (a, k) in rows and (b, k) in rows and rows[b, k][key] and rows[a, k][key] is not None:
             return rows[a, k][key] / rows[b, k][key]
         return None
 
-    for k in args.kernels:
-        r = [ratio("sasa", "qna", k, "ms"), ratio("sasa", "qna", k, "peak_mib"),
-             ratio("conv", "qna", k, "ms")]
-        print(f"{k:3d} {cell('qna', k, 'ms')} {cell('sasa', k, 'ms')} {cell('conv', k, 'ms')} "
-              f"{cell('qna', k, 'peak_mib')} {cell('sasa', k, 'peak_mib')} "
-              f"{cell('conv', k, 'peak_mib')} "
-              + " ".join(f"{x:13.2f}x" if x is not None else "n/a".rjust(14) for x in r))
+    print()
+    print(table(
+        ["k", "qna ms", "sasa ms", "conv ms", "qna MiB", "sasa MiB", "conv MiB",
+         "sasa/qna time", "sasa/qna mem", "conv/qna time"],
+        [[str(k)] + [cell(layer, k, key) for key in ("ms", "peak_mib") for layer in LAYERS]
+         + [fmt(ratio(*pair, k, key), suffix="x") for pair, key in (
+             (("sasa", "qna"), "ms"), (("sasa", "qna"), "peak_mib"), (("conv", "qna"), "ms"))]
+         for k in args.kernels]))
     if 7 in args.kernels:
         speed, memory = ratio("sasa", "qna", 7, "ms"), ratio("sasa", "qna", 7, "peak_mib")
         if speed is not None and memory is not None:

@@ -16,25 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from typing import List, Optional
 
 import torch
 
-import bench_ops  # scripts/: the same timing and peak-memory rules as the op benchmark
-from attnzoo.backends import BackendUnsupportedError
+from attnzoo.backends import CONCRETE_BACKENDS, BackendUnsupportedError
 from attnzoo.layers import SAM
-
-BACKENDS = ("torch", "natten", "cuda")
+from attnzoo.profiling import CLOCKS, DTYPES, device_name, first_line, fmt, table, time_call
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=tuple(bench_ops.DTYPES), default="fp32")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--channels", type=int, default=256, help="block width C (rel C/16, mid C/4)")
     p.add_argument("--size", type=int, default=56, help="map height and width")
@@ -43,7 +39,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--clock", choices=("wall", "process"), default="wall",
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                    help="process: this process's CPU time (a shared CPU machine; with "
                         "--threads 1 it equals the wall time of a quiet machine)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -54,14 +50,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--device cuda but torch.cuda.is_available() is False")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.clock == "process":
-        if device.type == "cuda":
-            p.error("--clock process measures CPU time: not meaningful for GPU kernels")
-        bench_ops.clock = time.process_time
-    dtype = bench_ops.DTYPES[args.dtype]
+    if args.clock == "process" and device.type == "cuda":
+        p.error("--clock process measures CPU time: not meaningful for GPU kernels")
+    dtype = DTYPES[args.dtype]
     c, n, k = args.channels, args.size, args.kernel
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else platform.processor() or platform.machine())
+    name = device_name(device)
     shape = f"({args.batch}, {c}, {n}, {n}) k={k}"
     print(f"# attnzoo SAM benchmark {shape}: {device.type} ({name}), {args.dtype}, threads "
           f"{torch.get_num_threads()}, torch {torch.__version__}; one forward+backward in train "
@@ -70,27 +63,27 @@ def main(argv: Optional[List[str]] = None) -> int:
           flush=True)
     rows = []
     for sa_type in args.types.split(","):
-        for backend in BACKENDS:
+        for backend in CONCRETE_BACKENDS:
             torch.manual_seed(0)
             sam = SAM(c, c // 16, c // 4, 8, kernel_size=k, sa_type=sa_type, backend=backend,
                       device=device, dtype=dtype).train()
             x = torch.randn(args.batch, c, n, n, device=device, dtype=dtype, requires_grad=True)
             label = f"SAM {sa_type:9s} {backend:6s}"
             try:
-                t = bench_ops.time_fn(lambda: sam(x), device, True, args.warmup, args.repeats)
+                t = time_call(lambda: sam(x), device, True, args.warmup, args.repeats,
+                              clock=CLOCKS[args.clock])
             except BackendUnsupportedError as e:
-                print(f"  {label} unavailable: {str(e).splitlines()[0]}", flush=True)
+                print(f"  {label} unavailable: {first_line(e)}", flush=True)
                 rows.append(dict(sa_type=sa_type, backend=backend, ms=None, peak_mib=None))
                 continue
-            print(f"  {label} {t.ms:10.1f} ms  peak +{bench_ops.fmt(t.peak_mib, '.0f', 0)} MiB",
+            print(f"  {label} {t.ms:10.1f} ms  peak +{fmt(t.peak_mib, '.0f', 0)} MiB",
                   flush=True)
             rows.append(dict(sa_type=sa_type, backend=backend, ms=t.ms, peak_mib=t.peak_mib))
 
     print(f"\nBaseline, SAM forward+backward {shape}, {args.dtype} on {device.type}:")
-    print(f"{'sa_type':10s} {'backend':8s} {'ms':>10s} {'peak MiB':>10s}")
-    for r in rows:
-        print(f"{r['sa_type']:10s} {r['backend']:8s} {bench_ops.fmt(r['ms'], '.1f', 10)} "
-              f"{bench_ops.fmt(r['peak_mib'], '.0f', 10)}")
+    print(table(["sa_type", "backend", "ms", "peak MiB"],
+                [[r["sa_type"], r["backend"], fmt(r["ms"], ".1f"), fmt(r["peak_mib"], ".0f")]
+                 for r in rows]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device.type, device_name=name, dtype=args.dtype, shape=shape,

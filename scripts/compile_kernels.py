@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compiled kernels
 
@@ -55,7 +55,9 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import attnzoo  # noqa: E402
 from attnzoo.kernels import neighborhood as kn  # noqa: E402
+from attnzoo.kernels.tiling import LOG2E  # noqa: E402
 from attnzoo.layers import neighborhood as na_layer  # noqa: E402
+from attnzoo.profiling import first_line  # noqa: E402
 
 # name -> (dtype, torch.get_float32_matmul_precision() while launching)
 DTYPES = {"fp32": (torch.float32, "highest"), "tf32": (torch.float32, "high"),
@@ -63,77 +65,76 @@ DTYPES = {"fp32": (torch.float32, "highest"), "tf32": (torch.float32, "high"),
 # Shared memory one block may use (opt-in): A100 163 KiB, RTX 30xx / A10 99, RTX 40xx / L4 99,
 # H100 227 (CUDA C Programming Guide, compute capabilities table).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-KERNEL_NAMES = {"fwd": "_na_fwd_kernel", "dq": "_na_bwd_dq_kernel", "dkdv": "_na_bwd_dkdv_kernel"}
+KERNELS = {"_na_fwd_kernel": "fwd", "_na_bwd_dq_kernel": "dq", "_na_bwd_dkdv_kernel": "dkdv"}
 MARK_BEGIN = "<!-- compile_kernels.py table begin -->"
 MARK_END = "<!-- compile_kernels.py table end -->"
 
 
 class Call(NamedTuple):
-    """One NA call of a model, as the kernels' host code received it."""
-    stage: str          # "56x56 K7 d1 hd32" (shapes in the table's rows)
-    forward: tuple      # _forward's arguments (meta tensors)
-    backward: tuple     # _backward's arguments
+    """One NA call of a model: what ``kn.na_fused`` was given, and the output gradient."""
+    stage: str                  # "56x56 K7 d1 hd32" (a row of the table)
+    q: torch.Tensor             # meta tensors, with the layers' strides and offsets
+    k: torch.Tensor
+    v: torch.Tensor
+    rpb: Optional[torch.Tensor]
+    kernel_size: Tuple[int, int]
+    dilation: Tuple[int, int]
+    scale: float
+    do: torch.Tensor
+
+    def launches(self, config: "kn.Config") -> Dict[str, tuple]:
+        """Kernel name -> its launch (jit function, args, kwargs) for this call, forward and
+        backward, in ``config``."""
+        q, k, v = (t.detach().requires_grad_() for t in (self.q, self.k, self.v))
+        rpb = None if self.rpb is None else self.rpb.detach().requires_grad_()
+        with kn.capture_launches() as launches:
+            kn.na_fused(q, k, v, self.kernel_size, self.dilation, rpb, self.scale,
+                        config).backward(self.do)
+        return {KERNELS[fn.__name__]: (fn, args, kwargs) for fn, _, args, kwargs in launches}
+
+
+def _stage(q, v, kernel_size, dilation, has_rpb) -> str:
+    return (f"{q.shape[1]}x{q.shape[2]} K{kernel_size[0]} d{dilation[0]} hd{q.shape[-1]}"
+            + ("" if q.shape[-1] == v.shape[-1] else f"/{v.shape[-1]}")
+            + ("" if has_rpb else " no rpb"))
 
 
 def model_calls(name: str, dtype: torch.dtype, batch: int = 2) -> List[Call]:
-    """Run model ``name`` forward and backward on meta tensors with NA on the kernels' host
-    code (launches dropped); return its NA calls."""
-    fwd, bwd = [], []
-    real = kn._forward, kn._backward, kn._run, na_layer.na2d_dispatch
-
-    def dispatch(q, k, v, kernel_size, dilation, rpb, scale, backend):
+    """Run model ``name`` forward and backward on meta tensors with its NA layers on the
+    kernels (launches captured, not run); return its NA calls."""
+    def on_kernels(q, k, v, kernel_size, dilation, rpb, scale, backend):
         return kn.na_fused(q, k, v, (kernel_size,) * 2, (dilation,) * 2, rpb, scale)
 
-    kn._forward = lambda *a: fwd.append(a) or real[0](*a)
-    kn._backward = lambda *a: bwd.append(a) or real[1](*a)
-    kn._run = lambda *a, **kw: None
-    na_layer.na2d_dispatch = dispatch
+    real, na_layer.na2d_dispatch = na_layer.na2d_dispatch, on_kernels
     try:
         with torch.device("meta"):
             model = timm.create_model(name).to(dtype)
         size = model.pretrained_cfg["input_size"]
-        model(torch.empty((batch,) + tuple(size), device="meta", dtype=dtype)).sum().backward()
+        with kn.capture_launches() as launches:
+            model(torch.empty((batch,) + tuple(size), device="meta", dtype=dtype)).sum().backward()
     finally:
-        kn._forward, kn._backward, kn._run, na_layer.na2d_dispatch = real
-    bwd.reverse()  # autograd runs the layers' backward last to first
+        na_layer.na2d_dispatch = real
+    forward = [(args, kw) for fn, _, args, kw in launches if KERNELS[fn.__name__] == "fwd"]
+    # autograd runs the layers' backward last to first; dQ's launch holds the output gradient
+    grads = [args[5] for fn, _, args, kw in reversed(launches) if KERNELS[fn.__name__] == "dq"]
     calls = []
-    for f, b in zip(fwd, bwd):
-        q, v, ks, dil = f[0], f[2], f[4], f[5]
-        stage = (f"{q.shape[1]}x{q.shape[2]} K{ks[0]} d{dil[0]} hd{q.shape[-1]}"
-                 + ("" if q.shape[-1] == v.shape[-1] else f"/{v.shape[-1]}")
-                 + ("" if f[3] is not None else " no rpb"))
-        calls.append(Call(stage, f, b))
+    for (args, kw), do in zip(forward, grads):
+        q, k, v = args[:3]
+        ks, dil = (kw["KH"], kw["KW"]), (kw["DIL_Y"], kw["DIL_X"])
+        rpb = args[3] if kw["HAS_RPB"] else None
+        calls.append(Call(_stage(q, v, ks, dil, rpb is not None), q, k, v, rpb, ks, dil,
+                          kw["qk_scale"] / LOG2E, do))
     return calls
 
 
-def quick_calls() -> List[Call]:
-    """One launch: nat_tiny's first stage at batch 2 in bf16 (q, k, v views of one qkv)."""
-    qkv = torch.empty(2, 56, 56, 3, 2, 32, device="meta", dtype=torch.bfloat16)
-    q, k, v = qkv.unbind(3)
-    rpb = torch.empty(2, 13, 13, device="meta", dtype=torch.bfloat16)
-    real, kn._run = kn._run, lambda *a, **kw: None
-    try:
-        o, lse = kn._forward(q, k, v, rpb, (7, 7), (1, 1), 32 ** -0.5)
-    finally:
-        kn._run = real
-    do = torch.empty_like(o)
-    return [Call("56x56 K7 d1 hd32", (q, k, v, rpb, (7, 7), (1, 1), 32 ** -0.5),
-                 (do, q, k, v, rpb, o, lse, (7, 7), (1, 1), 32 ** -0.5, True, True))]
-
-
-def capture(call: Call, kernel: str, config: "kn.Config"):
-    """The launch (jit function, args, kwargs) of ``kernel`` for ``call`` in ``config``."""
-    launches = []
-    real = kn._run
-    kn._run = lambda fn, grid, *args, warmup=False, **kwargs: launches.append((fn, args, kwargs))
-    try:
-        if kernel == "fwd":
-            kn._forward(*call.forward[:7], config)
-        else:
-            kn._backward(*call.backward[:12], config)
-    finally:
-        kn._run = real
-    return next(launch for launch in launches if launch[0].__name__ == KERNEL_NAMES[kernel])
+def qkv_call(shape, kernel_size, dilation, has_rpb, dtype, label=None) -> Call:
+    """A call with q, k, v as views of one qkv tensor, as the layers pass them."""
+    B, H, W, heads, d = shape
+    q, k, v = torch.empty(B, H, W, 3, heads, d, device="meta", dtype=dtype).unbind(3)
+    rpb = (torch.empty(heads, 2 * kernel_size[0] - 1, 2 * kernel_size[1] - 1, device="meta",
+                       dtype=dtype) if has_rpb else None)
+    return Call(label or _stage(q, v, kernel_size, dilation, has_rpb), q, k, v, rpb,
+                kernel_size, dilation, d ** -0.5, torch.empty_like(v))
 
 
 def specialize(fn, args, kwargs, arch: int):
@@ -184,8 +185,7 @@ def compile_one(job) -> Result:
         spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log.getvalue()))
         return Result(resources(compiled.asm["cubin"]), spills, compiled.metadata.shared, bound)
     except Exception as e:  # report and go on: the point is to list every failure
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return Result(0, 0, 0, bound, first[:300])
+        return Result(0, 0, 0, bound, first_line(e)[:300])
 
 
 def _signature(call: Call) -> tuple:
@@ -194,7 +194,7 @@ def _signature(call: Call) -> tuple:
         if isinstance(value, torch.Tensor):
             return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
         return value
-    return tuple(map(describe, call.forward + call.backward))
+    return tuple(map(describe, call[1:]))
 
 
 # Shapes no registered model launches, checked for the shared-memory bound and for failures
@@ -206,22 +206,6 @@ EXTRA = [  # label, [B, H, W, heads, d], kernel, dilation, rpb, dtype
     ("1-D K13 d4 hd32", (2, 1, 4096, 4, 32), (1, 13), (1, 4), True, "bf16"),
     ("1-D K5 hd128", (2, 1, 512, 2, 128), (1, 5), (1, 1), True, "fp32"),
 ]
-
-
-def extra_call(label, shape, kernel_size, dilation, has_rpb, dtype) -> Call:
-    """A call with q, k, v as views of one qkv tensor, as the layers pass them."""
-    B, H, W, heads, d = shape
-    q, k, v = torch.empty(B, H, W, 3, heads, d, device="meta", dtype=dtype).unbind(3)
-    rpb = (torch.empty(heads, 2 * kernel_size[0] - 1, 2 * kernel_size[1] - 1, device="meta",
-                       dtype=dtype) if has_rpb else None)
-    real, kn._run = kn._run, lambda *a, **kw: None
-    try:
-        o, lse = kn._forward(q, k, v, rpb, kernel_size, dilation, d ** -0.5)
-    finally:
-        kn._run = real
-    return Call(label, (q, k, v, rpb, kernel_size, dilation, d ** -0.5),
-                (torch.empty_like(o), q, k, v, rpb, o, lse, kernel_size, dilation, d ** -0.5,
-                 has_rpb, True))
 
 
 def _load_results(path: Path) -> Dict[str, Result]:
@@ -271,7 +255,9 @@ def main(argv=None) -> int:
     calls: Dict[Tuple[str, str], List[Call]] = {}
     users: Dict[str, set] = {}
     if args.quick:
-        calls[("56x56 K7 d1 hd32", "bf16")] = quick_calls()
+        # nat_tiny's first stage at batch 2
+        calls[("56x56 K7 d1 hd32", "bf16")] = [
+            qkv_call((2, 56, 56, 2, 32), (7, 7), (1, 1), True, torch.bfloat16)]
     else:
         names = (args.models.split(",") if args.models else
                  [m for m in attnzoo.list_models() if m.startswith(("nat_", "dinat_"))])
@@ -283,29 +269,33 @@ def main(argv=None) -> int:
             print(f"captured {dtype_name}: {len(names)} models", flush=True)
         if not args.no_extra:
             for label, shape, ks, dil, has_rpb, dtype_name in EXTRA:
-                call = extra_call(label, shape, ks, dil, has_rpb, DTYPES[dtype_name][0])
-                calls[(label + " (no model)", dtype_name)] = [call]
+                calls[(label + " (no model)", dtype_name)] = [
+                    qkv_call(shape, ks, dil, has_rpb, DTYPES[dtype_name][0], label)]
 
     # 2. distinct launches per (row, dtype, kernel, arch): every config of the space
     jobs, rows = {}, {}  # compile key -> job; (row, kernel, arch) -> {dtype: compile keys}
+    launched = {}  # (call, config) -> its launches
     for (label, dtype_name), row_calls in calls.items():
         torch.set_float32_matmul_precision(DTYPES[dtype_name][1])  # read at launch: tf32
         distinct = {_signature(call): call for call in row_calls}.values()
-        for kernel in kn.KERNELS:
+        for call in distinct:
+            head_dims = (call.q.shape[-1], call.v.shape[-1])
             for arch in archs:
-                keys = rows.setdefault((label, kernel, arch), {}).setdefault(dtype_name, set())
-                for call in distinct:
-                    q, v = call.forward[0], call.forward[2]
-                    head_dims = (q.shape[-1], v.shape[-1])
-                    space = kn.configs(kernel, tuple(q.shape[1:3]), call.forward[4],
-                                       call.forward[5], head_dims, q.dtype, SHARED_LIMIT[arch])
+                for kernel in kn.KERNELS:
+                    keys = rows.setdefault((label, kernel, arch), {}).setdefault(dtype_name,
+                                                                                 set())
+                    space = kn.configs(kernel, tuple(call.q.shape[1:3]), call.kernel_size,
+                                       call.dilation, head_dims, call.q.dtype,
+                                       SHARED_LIMIT[arch])
                     for config in space[:1] if args.quick else space:
-                        fn, fargs, fkwargs = capture(call, kernel, config)
+                        if (id(call), config) not in launched:
+                            launched[(id(call), config)] = call.launches(config)
+                        fn, fargs, fkwargs = launched[(id(call), config)][kernel]
                         src, options = specialize(fn, fargs, fkwargs, arch)
                         key = repr((fn.__name__, arch, src.signature, sorted(src.constants.items()),
                                     sorted(src.attrs.items()), sorted(options.__dict__.items())))
-                        bound = kn.shared_memory(kernel, config, head_dims, q.dtype,
-                                                 call.forward[4])
+                        bound = kn.shared_memory(kernel, config, head_dims, call.q.dtype,
+                                                 call.kernel_size)
                         jobs[key] = (fn.__name__, src.signature, src.constants, src.attrs,
                                      options.__dict__, arch, bound)
                         keys.add(key)

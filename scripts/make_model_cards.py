@@ -1,109 +1,86 @@
-"""Write MODEL_CARDS.md: one card per registered attnzoo model.
+"""Regenerate MODEL_CARDS.md and README.md's publishing table from scripts/model_card_facts.json,
+with attnzoo.hub's generator (the one that writes the Hub cards); with --measure, first measure
+the facts again: each model's GMACs and attnzoo ops (on the meta device), and with --throughput
+its CPU inference img/s (torch backend, fp32).
 
-Each card gives the source paper, the architecture config, parameters, GMACs (fvcore
-convention, as the papers count them), throughput measured on this machine, and the
-pretrained tags with where their weights come from.
+    python scripts/make_model_cards.py
+    python scripts/make_model_cards.py --measure [--models nat_mini ...] [--throughput]
+                                       [--batch-size 4] [--steps 2]
 
-    python scripts/make_model_cards.py [--out MODEL_CARDS.md] [--batch-size 4] [--steps 2]
-                                       [--no-throughput]
+tests/test_hub.py fails when either document differs from what this writes.
 """
 import argparse
 import datetime
+import json
 import platform
+import re
 import statistics
 import sys
+from pathlib import Path
 
 import timm
 import torch
 
 import attnzoo
-from attnzoo.cli import _step
-from attnzoo.models.quest_vit import TIMM_COUNTERPARTS
-from attnzoo.profiling import count_macs, count_params, time_steps
+from attnzoo import hub
+from attnzoo.profiling import model_step, time_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTS = ROOT / "scripts" / "model_card_facts.json"
+TABLE = re.compile(r"(<!-- publish table -->\n).*?(<!-- end publish table -->)", re.S)
 
 
-def _config_line(model) -> str:
-    """What distinguishes a variant: stage depths and widths, and its attention layers."""
-    parts = []
-    if hasattr(model, "stages"):
-        parts.append(f"depths {[len(getattr(s, 'blocks', ())) for s in model.stages]}")
-    parts.append(f"widths {[f['num_chs'] for f in model.feature_info]}")
-    attn = {}
-    for m in model.modules():
-        if type(m).__module__.startswith("attnzoo.layers"):
-            attn.setdefault(type(m).__name__, []).append(m)
-    for cls, mods in attn.items():
-        configs: dict = {}
-        for m in mods:  # one line per distinct configuration, in order of appearance
-            configs[m.extra_repr()] = configs.get(m.extra_repr(), 0) + 1
-        parts += [f"{n} x {cls}({config})" for config, n in configs.items()]
-    return "; ".join(parts)
+def _img_per_s(name: str, batch_size: int, steps: int) -> float:
+    model = timm.create_model(name).eval()
+    x = torch.randn(batch_size, *model.pretrained_cfg["input_size"])
+    with attnzoo.use_backend("torch"):
+        seconds = statistics.median(time_steps(model_step(model, x), "cpu", warmup=1,
+                                               repeats=steps))
+    return batch_size / seconds
 
 
-def card(name: str, args) -> str:
-    model = timm.create_model(name, device="meta")  # config, params and MACs need no weights
-    size = model.pretrained_cfg["input_size"][-1]
-    params = count_params(model) / 1e6
-    gmacs = count_macs(model, (1, 3, size, size)) / 1e9
-    lines = [
-        f"## {name}",
-        "",
-        f"- Paper: {model.pretrained_cfg.get('paper_name', '?')} "
-        f"({model.pretrained_cfg.get('paper_ids', '?')})",
-        f"- Config: {_config_line(model)}",
-        f"- Parameters: {params:.2f} M; GMACs at {size}x{size}: {gmacs:.2f}",
-    ]
+def measure(facts: dict, args) -> None:
+    names = args.models or attnzoo.list_models()
+    unknown = sorted(set(names) - set(attnzoo.list_models()))
+    if unknown:
+        sys.exit(f"--models: not attnzoo models: {', '.join(unknown)}")
+    facts["models"] = {n: f for n, f in facts.get("models", {}).items()
+                       if n in attnzoo.list_models()}
     if args.throughput:
-        model = timm.create_model(name).eval()
-        x = torch.randn(args.batch_size, 3, size, size)
-        with attnzoo.use_backend("torch"):
-            seconds = statistics.median(time_steps(_step(model, x, backward=False), "cpu",
-                                                   warmup=1, repeats=args.steps))
-        lines.append(f"- Throughput ({args.where}): {args.batch_size / seconds:.2f} img/s "
-                     f"at batch {args.batch_size}, fp32, torch backend")
-    tags = timm.list_models(name, pretrained=True)
-    for tag in tags:
-        cfg = timm.get_pretrained_cfg(tag)
-        source = f"Hugging Face Hub `{cfg.hf_hub_id}`" if cfg.hf_hub_id else f"`{cfg.url}`"
-        lines.append(f"- Pretrained `{tag}`: {source}; eval {cfg.input_size[-1]} px, "
-                     f"{cfg.interpolation}, crop {cfg.crop_pct}; license {cfg.license}")
-    for tag in timm.list_models(name, include_tags=True):
-        cfg = timm.get_pretrained_cfg(tag)
-        if tag not in tags and cfg.tag:
-            lines.append(f"- `{tag}`: official weights at {cfg.origin_url}, not downloadable "
-                         f"through timm; convert them with `attnzoo convert`")
-    if name in TIMM_COUNTERPARTS:
-        lines.append(f"- Pretrained: no QUEST weights exist; initialise from timm's "
-                     f"`{TIMM_COUNTERPARTS[name]}` weights (same state dict) with "
-                     f"`attnzoo.models.quest_vit.from_timm_weights('{name}')` and fine-tune")
-    elif not tags:
-        lines.append("- Pretrained: no downloadable weights")
-    return "\n".join(lines) + "\n"
+        facts["throughput_setting"] = (
+            f"batch {args.batch_size}, fp32, torch backend, {platform.machine()}, "
+            f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")
+    for i, name in enumerate(names):
+        print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
+        entry = hub.measure_facts(timm.create_model(name, device="meta"))
+        previous = facts["models"].get(name, {})
+        entry["img_per_s"] = (round(_img_per_s(name, args.batch_size, args.steps), 2)
+                              if args.throughput else previous.get("img_per_s"))
+        facts["models"][name] = entry
+    facts["models"] = dict(sorted(facts["models"].items()))
+    facts["measured_on"] = str(datetime.date.today())
+    FACTS.write_text(json.dumps(facts, indent=1) + "\n")
+    print(f"wrote {FACTS.relative_to(ROOT)}", file=sys.stderr)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="MODEL_CARDS.md")
+    parser.add_argument("--measure", action="store_true", help="measure the facts first")
+    parser.add_argument("--models", nargs="*", default=None, help="with --measure: only these")
+    parser.add_argument("--throughput", action="store_true", help="with --measure: also img/s")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--no-throughput", dest="throughput", action="store_false")
     args = parser.parse_args()
-    args.where = (f"{platform.processor() or platform.machine()}, "
-                  f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")
-    cards = []
-    names = attnzoo.list_models()
-    for i, name in enumerate(names):
-        print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
-        cards.append(card(name, args))
-    header = ("# attnzoo model cards\n\nGenerated by `python scripts/make_model_cards.py` on "
-              f"{datetime.date.today()}. GMACs count convolutions and matmuls, and each "
-              "attention op by its analytical formula (`attnzoo.profiling.count_macs`; "
-              "neighborhood attention as QK plus AV, B x heads x tokens x head_dim x kernel "
-              "area each), as the papers do; normalisation, activations and biases are not "
-              "counted.\n\n")
-    with open(args.out, "w") as f:
-        f.write(header + "\n".join(cards))
-    print(f"wrote {args.out}", file=sys.stderr)
+    facts = json.loads(FACTS.read_text()) if FACTS.exists() else {}
+    if args.measure:
+        measure(facts, args)
+    (ROOT / "MODEL_CARDS.md").write_text(hub.model_cards_markdown(facts))
+    readme = (ROOT / "README.md").read_text()
+    if not TABLE.search(readme):
+        sys.exit("README.md has no <!-- publish table --> ... <!-- end publish table --> block")
+    (ROOT / "README.md").write_text(
+        TABLE.sub(lambda m: m.group(1) + hub.publish_table() + m.group(2), readme))
+    print("wrote MODEL_CARDS.md and README.md's publishing table", file=sys.stderr)
     return 0
 
 

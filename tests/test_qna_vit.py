@@ -14,12 +14,13 @@ import torch.nn.functional as F
 import attnzoo
 from timm.layers.activations import GELUTanh
 from attnzoo import cli
-from attnzoo.convert import load_official
+from attnzoo.hub import load_official
 from attnzoo.layers import LocalSelfAttention, QnA, QnAUpsample
 from attnzoo.layers import qna as qna_layers
 from attnzoo.models.qna_vit import QnAViT, checkpoint_filter_fn, read_checkpoint
 from attnzoo.profiling import count_macs, count_params
 from checkpoint_layouts import nest, qna_official_manifest, write_flax_checkpoint
+from hub_cache import offline_hf_cache
 from model_checks import (check_compile_fullgraph, check_grad_checkpointing,
                           check_torchscript_and_fx, leaf_calls)
 from oracles import gelu_tanh, layer_norm
@@ -545,15 +546,19 @@ def test_convert_cli_and_load_through_timm(tmp_path, capsys):
     assert all(torch.equal(again[k], v) for k, v in direct.state_dict().items())
 
 
-def test_pretrained_policy():
+def test_pretrained_policy(tmp_path):
+    """The tags load from the project's Hub repos (filled by `attnzoo publish`); without them
+    (here: offline, empty cache) pretrained=True names the repo and the convert path."""
     cfg = timm.get_pretrained_cfg('qna_vit_tiny.in1k').to_dict()
-    assert not cfg.get('hf_hub_id') and not cfg.get('url') and not cfg.get('file')
+    assert cfg['hf_hub_id'] == 'attnzoo/qna_vit_tiny.in1k' and not cfg.get('url')
     assert cfg['origin_url'] == 'https://github.com/moabarar/qna'
     assert cfg['paper_ids'] == 'arXiv:2112.11435'
     assert cfg['crop_pct'] == 0.875 and cfg['interpolation'] == 'bicubic'
-    assert not attnzoo.list_models('qna_vit*', pretrained=True)  # no Hub weights claimed
-    with pytest.raises(ValueError, match=r'no downloadable weights.*github.com/moabarar/qna.*'
-                                         r'attnzoo convert qna_vit_tiny.*pretrained_cfg_overlay'):
+    assert attnzoo.list_models('qna_vit*', pretrained=True) == [
+        f'{n}.in1k' for n in attnzoo.list_models('qna_vit*')]
+    with offline_hf_cache(tmp_path), pytest.raises(
+            OSError, match=r'attnzoo/qna_vit_tiny.in1k: offline.*github.com/moabarar/qna.*'
+                           r'attnzoo convert qna_vit_tiny.*pretrained_cfg_overlay'):
         timm.create_model('qna_vit_tiny', pretrained=True)
 
 

@@ -15,6 +15,7 @@ from attnzoo.layers import SAM
 from attnzoo.models.san import SAN, checkpoint_filter_fn
 from attnzoo.profiling import count_macs, count_params
 from checkpoint_layouts import san_official_manifest, san_to_official, san_training_checkpoint
+from hub_cache import offline_hf_cache
 from model_checks import check_compile_fullgraph, check_grad_checkpointing, check_torchscript_and_fx
 
 VARIANTS = [f'san{n}_{t}' for n in (10, 15, 19) for t in ('pairwise', 'patchwise')]
@@ -390,7 +391,7 @@ def test_official_training_checkpoint_loads_and_reproduces(tmp_path):
     x = torch.randn(1, 3, 128, 144)
     with torch.no_grad():
         torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
-    from attnzoo.convert import load_official
+    from attnzoo.hub import load_official
     converted = load_official('san10_pairwise', path)
     assert set(converted) == set(source.state_dict())
     assert all(torch.equal(converted[k], v) for k, v in source.state_dict().items())
@@ -409,19 +410,22 @@ def test_filter_reports_mismatches(tmp_path):
     with pytest.raises(ValueError, match=r'(?s)missing.*stages\.2\.blocks\.0\.attn\.conv3\.bias'):
         checkpoint_filter_fn(sd, _tiny())
     torch.save({'state_dict': pairwise}, tmp_path / 'bad.pth')
-    from attnzoo.convert import load_official
+    from attnzoo.hub import load_official
     with pytest.raises(ValueError, match='san10_patchwise|SAN'):
         load_official('san10_patchwise', tmp_path / 'bad.pth')
 
 
-def test_pretrained_cfgs_are_honest():
+def test_pretrained_cfgs_are_honest(tmp_path):
+    """The tags load from the project's Hub repos (filled by `attnzoo publish`); without them
+    (here: offline, empty cache) pretrained=True names the repo and the convert path."""
     for name in VARIANTS:
         cfg = timm.get_pretrained_cfg(f'{name}.in1k')
-        assert not (cfg.hf_hub_id or cfg.url or cfg.file) and not cfg.has_weights
+        assert cfg.hf_hub_id == f'attnzoo/{name}.in1k' and not (cfg.url or cfg.file)
         assert cfg.origin_url == 'https://github.com/hszhao/SAN'
         assert cfg.paper_ids == 'arXiv:2004.13621'
         assert cfg.interpolation == 'bilinear' and cfg.crop_pct == 0.875
-    assert attnzoo.list_models('san*', pretrained=True) == []  # nothing downloadable
-    with pytest.raises(ValueError, match=r'(?s)no downloadable weights.*github.com/hszhao/SAN.*'
-                                         r'attnzoo convert san10_pairwise.*pretrained_cfg_overlay'):
+    assert attnzoo.list_models('san*', pretrained=True) == [f'{n}.in1k' for n in sorted(VARIANTS)]
+    with offline_hf_cache(tmp_path), pytest.raises(
+            OSError, match=r'(?s)attnzoo/san10_pairwise.in1k: offline.*github.com/hszhao/SAN.*'
+                           r'attnzoo convert san10_pairwise.*pretrained_cfg_overlay'):
         timm.create_model('san10_pairwise', pretrained=True)

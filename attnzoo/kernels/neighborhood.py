@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -41,8 +41,8 @@ from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length
                      to_source)
 
 __all__ = ["NeighborhoodAttention", "na_fused", "support", "not_supported_reasons", "configs",
-           "shared_memory", "Config", "LIMITS", "KERNELS", "INTERPRETED", "MAX_KERNEL_SIZE",
-           "MAX_HEAD_DIM", "DTYPES"]
+           "shared_memory", "capture_launches", "Config", "LIMITS", "KERNELS", "INTERPRETED",
+           "MAX_KERNEL_SIZE", "MAX_HEAD_DIM", "DTYPES"]
 
 MAX_KERNEL_SIZE = 13
 MAX_HEAD_DIM = 128
@@ -408,11 +408,29 @@ def support(device: str, dtype: torch.dtype, head_dim: int, v_dim: int,
 _TUNER = Autotuner()
 
 
+_captured: Optional[List[tuple]] = None  # the list capture_launches yields, while it is active
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[List[tuple]]:
+    """Record the kernels' launches instead of running them: within it, each one is appended as
+    ``(kernel, grid, args, kwargs)`` to the list it yields. scripts/compile_kernels.py runs the
+    host code on meta tensors under it and compiles every launch for sm80-sm90 without a GPU."""
+    global _captured
+    previous, _captured = _captured, []
+    try:
+        yield _captured
+    finally:
+        _captured = previous
+
+
 def _run(kernel, grid, *args, warmup=False, **kwargs):
-    # The one launch point: scripts/compile_kernels.py captures launches here to compile them
-    # for sm80-sm90 without a GPU. Triton launches on the current CUDA device: guard it in eager
-    # mode (a compiled graph guards devices itself). ``warmup``: compile only, return the
-    # compiled kernel (the autotuner reads its spills).
+    # The one launch point (see capture_launches). Triton launches on the current CUDA device:
+    # guard it in eager mode (a compiled graph guards devices itself). ``warmup``: compile only
+    # and return the compiled kernel (the autotuner reads its spills).
+    if _captured is not None:
+        _captured.append((kernel, grid, args, kwargs))
+        return None
     eager_cuda = args[0].is_cuda and not torch.compiler.is_compiling()
     with torch.cuda.device(args[0].device) if eager_cuda else contextlib.nullcontext():
         if warmup:

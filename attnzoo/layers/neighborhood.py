@@ -71,7 +71,7 @@ class NeighborhoodAttention2d(nn.Module):
         attn_drop: dropout on attention weights; the NA op computes the softmax internally and
             has no dropout, so only ``0.`` is accepted.
         proj_drop: dropout after ``proj``.
-        backend: NA backend (``"torch" | "natten" | "cuda" | "auto"``); ``None`` follows
+        backend: NA backend, one of :data:`attnzoo.backends.BACKENDS`; ``None`` follows
             :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
         attn_norm: ``"none"`` (NAT's scaled dot product, scale ``head_dim ** -0.5``) or
             ``"quest"`` (QUEST: keys L2-normalised per head, norm in fp32, queries untouched,

@@ -95,7 +95,7 @@ class SAM(nn.Module):
             (pairwise) / ``'concatenation'`` (patchwise), the paper's models.
         padding_mode: ``'reflect'`` (official; needs maps larger than ``dilation * (k - 1) / 2``)
             or ``'zeros'``.
-        backend: backend of the SAN ops (``"torch" | "natten" | "cuda" | "auto"``); ``None``
+        backend: backend of the SAN ops, one of :data:`attnzoo.backends.BACKENDS`; ``None``
             follows :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` /
             ``ATTNZOO_BACKEND``.
     """

@@ -25,13 +25,16 @@ Official checkpoints
     ``checkpoint_filter_fn(state_dict, model)`` converts every official layout (the original
     training code, the transformers port, ...) onto it, and raises one ``ValueError`` listing
     every missing, unexpected or mis-shaped key (``_helpers.check_state_dict``).
-    ``attnzoo.convert.load_official(model_name, path)`` is the one entry point over all of
+    ``attnzoo.hub.load_official(model_name, path)`` is the one entry point over all of
     them, with a family's own reader where the file is not a torch checkpoint.
 
 Pretrained cfgs
-    ``hf_hub_id`` / ``url`` only where those weights really exist; otherwise the tag names the
-    weights' origin (``origin_url``, ``paper_ids``) and ``pretrained=True`` raises a
-    ``ValueError`` saying how to convert and load the official file
+    Every tag names its weights' origin (``origin_url``, ``paper_ids``). ``hf_hub_id`` is the
+    authors' Hub repo where they published one, else the tag's repo in the project namespace
+    (``_helpers.hub_repo``: ``attnzoo/<model>.<tag>``, filled by ``attnzoo publish``). Where the
+    Hub cannot give the weights (offline, no such repo yet, no token) ``pretrained=True``
+    raises one ``OSError`` naming the repo and why; a tag with no source at all raises a
+    ``ValueError``; both say how to convert and load the official file
     (``pretrained_cfg_overlay=dict(file=...)``), never a silently random model
     (``_helpers.build_model``). ``min_input_size`` is set where the architecture has one.
 
@@ -51,10 +54,13 @@ The timm contract
     ``--drop-path`` overrides it).
 
 Registration
-    ``register_variants`` from :mod:`attnzoo.models._registry`: one timm entrypoint per row of
-    a family's table ``name: (docstring, config)``, registered by the module's
-    ``register_model`` (timm's, plus the record behind :func:`attnzoo.list_models`, the one
-    definition of "our models").
+    As timm's: one ``@register_model def <variant>(pretrained=False, **kwargs) -> <Model>`` per
+    variant in its family's module, below ``default_cfgs``: a one-line docstring (params,
+    GMACs), the variant's config as a dict (built on the family's shared config dicts) and a
+    call to the family's ``_create_*`` (the caller's kwargs override the config), so
+    ``grep "def nat_tiny"``, tracebacks and ``help()`` land on the variant. ``register_model``
+    is :mod:`attnzoo.models._registry`'s: timm's, plus the record behind
+    :func:`attnzoo.list_models` (the one definition of "our models").
 """
 from ._registry import list_models, model_family
 from . import nat, qna_vit, quest_vit, san  # noqa: F401

@@ -1,5 +1,6 @@
 """What every attnzoo model family shares: building through timm with an honest pretrained
-policy, checkpoint unwrapping and checking, input checks, drop-path schedules."""
+policy (the project's Hub namespace, a clear error where weights cannot be had), checkpoint
+unwrapping and checking, input checks, drop-path schedules."""
 from __future__ import annotations
 
 import re
@@ -8,11 +9,22 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 from timm.models import build_model_with_cfg, register_notrace_function
+from timm.models._builder import _resolve_pretrained_source
+from timm.models._hub import HF_WEIGHTS_NAME, _get_safe_alternatives, hf_split
 from timm.models._pretrained import PretrainedCfg
 from timm.models._registry import get_pretrained_cfg
 
-__all__ = ["build_model", "unwrap_checkpoint", "rename_key", "replace_prefix",
-           "check_state_dict", "check_image_input", "per_stage"]
+__all__ = ["HUB_ORG", "hub_repo", "build_model", "unwrap_checkpoint", "rename_key",
+           "replace_prefix", "check_state_dict", "check_image_input", "per_stage"]
+
+# The project's namespace on the Hugging Face Hub, defined once: `attnzoo publish` puts tag
+# ``<model>.<tag>`` in ``HUB_ORG/<model>.<tag>``, the naming of timm's own ``timm/<model>.<tag>``.
+HUB_ORG = 'attnzoo'
+
+
+def hub_repo(tag: str) -> str:
+    """The project's Hub repo of a pretrained tag: ``attnzoo/qna_vit_tiny.in1k``."""
+    return f'{HUB_ORG}/{tag}'
 
 
 def _resolved_cfg(variant: str, kwargs: Dict[str, Any]) -> PretrainedCfg:
@@ -28,6 +40,64 @@ def _resolved_cfg(variant: str, kwargs: Dict[str, Any]) -> PretrainedCfg:
     return PretrainedCfg(**{**cfg.to_dict(), **overlay}) if overlay else cfg
 
 
+def _local_copy_advice(tag: str, variant: str, where: str) -> str:
+    return (f"Download {where}, convert it with `attnzoo convert {variant} CHECKPOINT "
+            f"{variant}.safetensors`, then load it with timm.create_model('{tag}', "
+            f"pretrained=True, pretrained_cfg_overlay=dict(file='{variant}.safetensors')).")
+
+
+def _hub_problem(repo: str, filenames: Sequence[str]) -> Optional[str]:
+    """Why none of ``filenames`` can be fetched from Hub repo ``repo`` (``ORG/NAME[@rev]``)
+    now, or None when one is cached or reachable: one request, no retries (the client retries
+    a missing file's lookup for about a minute before it gives up)."""
+    import huggingface_hub as hf
+    from huggingface_hub import constants
+    from huggingface_hub.utils import (EntryNotFoundError, GatedRepoError,
+                                       RepositoryNotFoundError, RevisionNotFoundError)
+    repo_id, revision = hf_split(repo)
+    if any(isinstance(hf.try_to_load_from_cache(repo_id, f, revision=revision), str)
+           for f in filenames):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "offline: HF_HUB_OFFLINE is set and the local Hugging Face cache has no copy"
+    for filename in filenames:
+        try:
+            hf.get_hf_file_metadata(hf.hf_hub_url(repo_id, filename, revision=revision))
+            return None
+        except GatedRepoError:
+            return ("the repo is gated: accept its conditions on the Hub and log in "
+                    "(`huggingface-cli login` or HF_TOKEN)")
+        except RepositoryNotFoundError:
+            return ("not found: the repo does not exist (yet), or it is private and no valid "
+                    "token was given (`huggingface-cli login` or HF_TOKEN)")
+        except RevisionNotFoundError:
+            return f"the repo has no revision {revision!r}"
+        except EntryNotFoundError:
+            continue
+        except Exception as e:  # noqa: BLE001 - network errors differ per client version
+            return f"the Hub cannot be reached ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    return f"the repo has none of {', '.join(filenames)}"
+
+
+def _check_hub_weights(tag: str, variant: str, cfg: PretrainedCfg) -> None:
+    """Raise one clear ``OSError`` when timm would fetch the weights from the Hub and cannot:
+    the repo, why (offline, not found, no token, unreachable) and how to load a local copy."""
+    load_from, location = _resolve_pretrained_source(cfg.to_dict())
+    if load_from != 'hf-hub':
+        return
+    repo, filename = location if isinstance(location, tuple) else (location, HF_WEIGHTS_NAME)
+    filenames = [filename] if filename.endswith('.safetensors') else [
+        *_get_safe_alternatives(filename), filename]
+    why = _hub_problem(repo, filenames)
+    if why is None:
+        return
+    where = f"{' or '.join(filenames)} from https://huggingface.co/{hf_split(repo)[0]}"
+    if cfg.origin_url and 'huggingface.co' not in cfg.origin_url:
+        where += f" (or the official checkpoint from {cfg.origin_url})"
+    raise OSError(f"{tag}: cannot load its weights from the Hugging Face Hub repo {repo}: "
+                  f"{why}. " + _local_copy_advice(tag, variant, where + " where it is reachable"))
+
+
 def build_model(model_cls: type, variant: str, pretrained: bool, *,
                 filter_fn: Callable[[Dict[str, Any], nn.Module], Dict[str, Any]],
                 feature_cfg: Optional[Dict[str, Any]] = None, no_weights_hint: str = "",
@@ -36,20 +106,21 @@ def build_model(model_cls: type, variant: str, pretrained: bool, *,
     weights are not downloadable (no ``hf_hub_id``, ``url`` or ``file``) raises instead of
     silently returning a randomly initialised model, and says where the official weights are
     and how to load them (``no_weights_hint``, where given, replaces that advice: for a family
-    that has no official weights at all)."""
+    that has no official weights at all); a tag whose Hub weights cannot be fetched (offline,
+    no such repo yet, no token) raises one ``OSError`` naming the repo, why, and the same
+    advice, before timm's client would retry."""
     if pretrained:
         cfg = _resolved_cfg(variant, kwargs)
+        tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
         if not (cfg.hf_hub_id or cfg.url or cfg.file or cfg.state_dict):
             if no_weights_hint:
                 raise ValueError(no_weights_hint)
-            tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
             origin = f" from {cfg.origin_url}" if cfg.origin_url else ""
             raise ValueError(
                 f"{tag}: no downloadable weights; pretrained=True would give a randomly "
-                f"initialised model. Download the official checkpoint{origin}, convert it with "
-                f"`attnzoo convert {variant} CHECKPOINT {variant}.safetensors`, then load it "
-                f"with timm.create_model('{tag}', pretrained=True, "
-                f"pretrained_cfg_overlay=dict(file='{variant}.safetensors')).")
+                f"initialised model. " + _local_copy_advice(tag, variant,
+                                                            f"the official checkpoint{origin}"))
+        _check_hub_weights(tag, variant, cfg)
     return build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
                                 feature_cfg=feature_cfg, **kwargs)
 

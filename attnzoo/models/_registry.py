@@ -3,40 +3,24 @@ tests."""
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Callable, Dict, List, Mapping, Tuple, Union
+from typing import Callable, Dict, List, Union
 
 import timm
 from timm.models import register_model as _timm_register_model
 
-__all__ = ["register_model", "register_variants", "list_models"]
+__all__ = ["register_model", "list_models", "model_family"]
 
 # model name -> family (the model module's short name, e.g. "nat"), in registration order
 _FAMILIES: Dict[str, str] = {}
 
 
 def register_model(fn: Callable) -> Callable:
-    """timm's ``register_model``, also recording the model as attnzoo's (and its family)."""
+    """timm's ``register_model``, also recording the model as attnzoo's, of the family named by
+    its module (``attnzoo.models.nat`` -> ``nat``). Decorate each variant's entrypoint with it,
+    ``@register_model def nat_tiny(pretrained=False, **kwargs) -> NAT``, as timm's do."""
     fn = _timm_register_model(fn)
     _FAMILIES[fn.__name__] = fn.__module__.rsplit(".", 1)[-1]
     return fn
-
-
-def register_variants(namespace: Dict[str, Any], create: Callable[..., Any],
-                      variants: Mapping[str, Tuple[str, Dict[str, Any]]]) -> None:
-    """Register one timm entrypoint per variant, ``name(pretrained=False, **kwargs)`` returning
-    ``create(name, pretrained, **config, **kwargs)`` (the caller's kwargs override the config),
-    defined in ``namespace`` (the family module's ``globals()``) so that
-    ``from attnzoo.models.nat import nat_tiny`` works. ``variants``: name -> (docstring, config)."""
-    def make(name: str, doc: str, config: Dict[str, Any]) -> Callable:
-        def entrypoint(pretrained: bool = False, **kwargs):
-            return create(name, pretrained, **dict(config, **kwargs))
-        entrypoint.__name__ = entrypoint.__qualname__ = name
-        entrypoint.__doc__ = doc
-        entrypoint.__module__ = namespace["__name__"]
-        return entrypoint
-
-    for name, (doc, config) in variants.items():
-        namespace[name] = register_model(make(name, doc, config))
 
 
 def list_models(filter: Union[str, List[str]] = "", pretrained: bool = False,

@@ -7,13 +7,13 @@ Each of those models follows the model policy's layout (:mod:`attnzoo.models`): 
 constructor is the same code, which lives here once: forward, features, intermediates, pruning,
 classifier reset, grad checkpointing, parameter groups.
 
-A subclass sets, in ``__init__``: ``in_chans``, ``min_size`` (the smallest input side it
-accepts), ``drop_rate``, ``num_classes``, ``feature_info`` (one entry per stage) and ``stem``,
-then calls :meth:`StagedModel.set_stages` for the other three modules. Its stages subclass
-:class:`Stage`; its variants are built by :func:`build_staged` with cfgs from
-:func:`staged_cfg`.
+A subclass builds its modules and hands them, with what the shared code needs to know, to
+``StagedModel.__init__`` (every argument keyword-only, all required: the whole contract is that
+signature); the base class registers ``stem``, ``stages``, ``norm`` and makes the ``head``.
+Its stages subclass :class:`Stage`; its variants are built by :func:`build_staged` with cfgs
+from :func:`staged_cfg`.
 """
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -68,21 +68,54 @@ def staged_cfg(**kwargs) -> Dict[str, Any]:
 class StagedModel(nn.Module):
     """Base of the hierarchical families: timm's model interface on stem / stages / norm / head.
 
-    Every subclass takes, besides its own arguments:
-        in_chans: input image channels.
+    A subclass builds its modules first, as locals (``nn.Module`` takes no attribute before
+    its ``__init__``), then calls ``super().__init__`` with them; after that it sets only its own
+    attributes (its weight init, what its :meth:`stages_pruned` needs).
+
+    Args:
+        stem: image -> the first stage's input (NCHW).
+        stages: the stages in order, each a :class:`Stage` taking and returning NCHW maps;
+            registered as the ``nn.Sequential`` ``stages``.
+        norm: the final norm, sized for the last stage's output.
+        feature_info: one dict per stage, timm's ``num_chs`` / ``reduction`` / ``module``
+            (``'stages.{i}'``); the last ``num_chs`` is ``num_features``.
+        in_chans: input image channels (checked on every forward).
+        min_size: the smallest input side the architecture accepts (a subclass whose minimum
+            depends on its stages updates it in :meth:`stages_pruned`).
         num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
         global_pool: ``'avg'`` (the official models), any timm ``SelectAdaptivePool2d`` type, or
             ``''`` (no pooling).
         drop_rate: dropout before the classifier.
+
+    Every subclass takes ``in_chans``, ``num_classes``, ``global_pool`` and ``drop_rate`` as
+    constructor arguments of its own, with these meanings.
     """
 
-    def set_stages(self, stages: List[nn.Module], norm: nn.Module, global_pool: str) -> None:
-        """The end of a subclass's ``__init__``, after ``feature_info``, ``num_classes`` and
-        ``drop_rate``: its ``stages``, the final ``norm`` and the classifier ``head``."""
+    def __init__(
+            self,
+            *,
+            stem: nn.Module,
+            stages: Sequence[nn.Module],
+            norm: nn.Module,
+            feature_info: List[Dict[str, Any]],
+            in_chans: int,
+            min_size: int,
+            num_classes: int,
+            global_pool: str,
+            drop_rate: float,
+    ):
+        super().__init__()
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.drop_rate = drop_rate
+        self.min_size = min_size
+        self.output_fmt = 'NCHW'
+        self.feature_info = feature_info
+        self.stem = stem
         self.stages = nn.Sequential(*stages)
-        self.num_features = self.feature_info[-1]['num_chs']
+        self.num_features = feature_info[-1]['num_chs']
         self.norm = norm
-        self.reset_classifier(self.num_classes, global_pool)
+        self.reset_classifier(num_classes, global_pool)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:

@@ -49,7 +49,7 @@ from timm.models import generate_default_cfgs
 from ..layers import NeighborhoodAttention2d
 from ._helpers import (check_state_dict, per_stage, rename_key, replace_prefix,
                        unwrap_checkpoint)
-from ._registry import register_variants
+from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
 __all__ = ["NAT", "checkpoint_filter_fn"]
@@ -199,23 +199,16 @@ class NAT(StagedModel):
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
         num_stages = len(depths)
         heads = per_stage(num_heads, num_stages, "num_heads")
         kernel_sizes = per_stage(kernel_size, num_stages, "kernel_size")
         dilations = per_stage(1 if dilations is None else dilations, num_stages, "dilations")
         dilations = [per_stage(d, depth, f"dilations[{i}]")
                      for i, (d, depth) in enumerate(zip(dilations, depths))]
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.drop_rate = drop_rate
-        self.min_size = 1  # any size: small levels are padded (see the layer)
-        self.output_fmt = 'NCHW'
 
-        self.stem = Stem(in_chans, embed_dim, **dd)
+        stem = Stem(in_chans, embed_dim, **dd)
         dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
-        self.feature_info = []
-        stages = []
+        feature_info, stages = [], []
         in_dim = dim = embed_dim
         for i in range(num_stages):
             dim = embed_dim * 2 ** i
@@ -225,9 +218,13 @@ class NAT(StagedModel):
                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, rel_pos_bias=rel_pos_bias,
                 proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, layer_scale=layer_scale,
                 backend=backend, attn_norm=attn_norm, **dd))
-            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
+            feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
             in_dim = dim
-        self.set_stages(stages, LayerNorm2d(dim, eps=_LN_EPS, **dd), global_pool)
+        super().__init__(
+            stem=stem, stages=stages, norm=LayerNorm2d(dim, eps=_LN_EPS, **dd),
+            feature_info=feature_info, in_chans=in_chans,
+            min_size=1,  # any size: small levels are padded (see the layer)
+            num_classes=num_classes, global_pool=global_pool, drop_rate=drop_rate)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -346,7 +343,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NAT) -> Dict[str, to
 
 
 # --------------------------------------------------------------------------------------------
-# model creation, pretrained configs, registration
+# model creation, pretrained configs, entrypoints
 # --------------------------------------------------------------------------------------------
 
 def _create_nat(variant: str, pretrained: bool = False, **kwargs) -> NAT:
@@ -405,26 +402,79 @@ _LARGE = dict(depths=(3, 4, 18, 5), num_heads=(6, 12, 24, 48), embed_dim=192, ml
               drop_path_rate=0.35)
 
 
-register_variants(globals(), _create_nat, {
-    'nat_mini': ("NAT-Mini (20.0M params, 2.7 GMACs @ 224).", _MINI),
-    'nat_tiny': ("NAT-Tiny (27.9M params, 4.3 GMACs @ 224).", _TINY),
-    'nat_small': ("NAT-Small (50.7M params, 7.8 GMACs @ 224), layer scale 1e-5.",
-                  dict(_SMALL, layer_scale=1e-5)),
-    'nat_base': ("NAT-Base (89.8M params, 13.7 GMACs @ 224), layer scale 1e-5.", _BASE),
-    'dinat_mini': ("DiNAT-Mini: NAT-Mini with dilated blocks.",
-                   dict(_MINI, dilations=_DINAT_MINI_DILATIONS)),
-    'dinat_tiny': ("DiNAT-Tiny: NAT-Tiny with dilated blocks.",
-                   dict(_TINY, dilations=_DINAT_DILATIONS)),
-    'dinat_small': ("DiNAT-Small: NAT-Small with dilated blocks and, unlike NAT-Small, no layer "
-                    "scale.", dict(_SMALL, dilations=_DINAT_DILATIONS)),
-    'dinat_base': ("DiNAT-Base: NAT-Base with dilated blocks (layer scale 1e-5).",
-                   dict(_BASE, dilations=_DINAT_DILATIONS)),
-    'dinat_large': ("DiNAT-Large (200.9M params, 30.5 GMACs @ 224), 224 dilation schedule.",
-                    dict(_LARGE, dilations=_DINAT_DILATIONS)),
-    'dinat_large_384': ("DiNAT-Large with the 384 dilation schedule (13 / 6 / 3 / 1).",
-                        dict(_LARGE, dilations=_DINAT_384_DILATIONS)),
-    'dinat_large_11x11_384': (
-        "DiNAT-Large with 11x11 neighborhoods at 384: dilations 8 / 4 / 2 / 1, the largest with "
-        "11 * d <= 96 / 48 / 24 / 12 (the same schedule as the 7x7 model at 224).",
-        dict(_LARGE, kernel_size=11, dilations=_DINAT_DILATIONS)),
-})
+@register_model
+def nat_mini(pretrained=False, **kwargs) -> NAT:
+    """NAT-Mini (20.0M params, 2.7 GMACs @ 224)."""
+    model_args = _MINI
+    return _create_nat('nat_mini', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def nat_tiny(pretrained=False, **kwargs) -> NAT:
+    """NAT-Tiny (27.9M params, 4.3 GMACs @ 224)."""
+    model_args = _TINY
+    return _create_nat('nat_tiny', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def nat_small(pretrained=False, **kwargs) -> NAT:
+    """NAT-Small (50.7M params, 7.8 GMACs @ 224), layer scale 1e-5."""
+    model_args = dict(_SMALL, layer_scale=1e-5)
+    return _create_nat('nat_small', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def nat_base(pretrained=False, **kwargs) -> NAT:
+    """NAT-Base (89.8M params, 13.7 GMACs @ 224), layer scale 1e-5."""
+    model_args = _BASE
+    return _create_nat('nat_base', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def dinat_mini(pretrained=False, **kwargs) -> NAT:
+    """DiNAT-Mini: NAT-Mini with dilated blocks."""
+    model_args = dict(_MINI, dilations=_DINAT_MINI_DILATIONS)
+    return _create_nat('dinat_mini', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def dinat_tiny(pretrained=False, **kwargs) -> NAT:
+    """DiNAT-Tiny: NAT-Tiny with dilated blocks."""
+    model_args = dict(_TINY, dilations=_DINAT_DILATIONS)
+    return _create_nat('dinat_tiny', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def dinat_small(pretrained=False, **kwargs) -> NAT:
+    """DiNAT-Small: NAT-Small with dilated blocks and, unlike NAT-Small, no layer scale."""
+    model_args = dict(_SMALL, dilations=_DINAT_DILATIONS)
+    return _create_nat('dinat_small', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def dinat_base(pretrained=False, **kwargs) -> NAT:
+    """DiNAT-Base: NAT-Base with dilated blocks (layer scale 1e-5)."""
+    model_args = dict(_BASE, dilations=_DINAT_DILATIONS)
+    return _create_nat('dinat_base', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def dinat_large(pretrained=False, **kwargs) -> NAT:
+    """DiNAT-Large (200.9M params, 30.5 GMACs @ 224), 224 dilation schedule."""
+    model_args = dict(_LARGE, dilations=_DINAT_DILATIONS)
+    return _create_nat('dinat_large', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def dinat_large_384(pretrained=False, **kwargs) -> NAT:
+    """DiNAT-Large with the 384 dilation schedule (13 / 6 / 3 / 1)."""
+    model_args = dict(_LARGE, dilations=_DINAT_384_DILATIONS)
+    return _create_nat('dinat_large_384', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def dinat_large_11x11_384(pretrained=False, **kwargs) -> NAT:
+    """DiNAT-Large with 11x11 neighborhoods at 384, dilations 8 / 4 / 2 / 1."""
+    # the largest d with 11 * d <= 96 / 48 / 24 / 12: the 7x7 model's schedule at 224
+    model_args = dict(_LARGE, kernel_size=11, dilations=_DINAT_DILATIONS)
+    return _create_nat('dinat_large_11x11_384', pretrained, **dict(model_args, **kwargs))

@@ -8,11 +8,12 @@ Paper: `Learned Queries for Efficient Local Attention` - https://arxiv.org/abs/2
   year      = {2022},
 }
 
-Official code and weights (JAX/Flax, MIT license): https://github.com/moabarar/qna. The weights
-are only behind the authors' download link, as Flax checkpoints: :func:`read_checkpoint` reads
-them (msgpack + numpy, no JAX) and :func:`checkpoint_filter_fn` converts them;
-``attnzoo convert qna_vit_tiny checkpoint_N qna_vit_tiny.safetensors`` then
-``timm.create_model('qna_vit_tiny', pretrained=True,
+Official code and weights (JAX/Flax, MIT license): https://github.com/moabarar/qna. The authors
+publish the weights as Flax checkpoints behind a download link: :func:`read_checkpoint` reads
+them (msgpack + numpy, no JAX) and :func:`checkpoint_filter_fn` converts them. ``attnzoo
+publish`` puts the converted weights in the project's Hub repos (``attnzoo/qna_vit_tiny.in1k``),
+which ``pretrained=True`` loads; a local copy loads with ``attnzoo convert qna_vit_tiny
+checkpoint_N qna_vit_tiny.safetensors`` and ``timm.create_model('qna_vit_tiny', pretrained=True,
 pretrained_cfg_overlay=dict(file='qna_vit_tiny.safetensors'))``.
 
 Architecture: a 4x4 stride-4 patch conv, four stages of pre-norm blocks (LayerNorm eps 1e-6,
@@ -56,8 +57,8 @@ from timm.models import generate_default_cfgs, register_notrace_function
 
 from ..layers import LocalSelfAttention, QnA
 from ..layers.quest import check_attn_norm
-from ._helpers import check_state_dict, per_stage, unwrap_checkpoint
-from ._registry import register_variants
+from ._helpers import check_state_dict, hub_repo, per_stage, unwrap_checkpoint
+from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
 __all__ = ["QnAViT", "checkpoint_filter_fn", "read_checkpoint"]
@@ -239,7 +240,6 @@ class QnAViT(StagedModel):
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
         check_attn_norm(attn_norm)   # also where no stage has LSA blocks
         num_stages = len(qna_depths)
         lsa_depths = per_stage(lsa_depths, num_stages, "lsa_depths")
@@ -247,18 +247,12 @@ class QnAViT(StagedModel):
         lsa_heads = per_stage(lsa_heads, num_stages, "lsa_heads")
         kernel_sizes = per_stage(kernel_size, num_stages, "kernel_size")
         window_sizes = per_stage(window_sizes, num_stages, "window_sizes")
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.drop_rate = drop_rate
-        self.min_size = 1
-        self.output_fmt = 'NCHW'
 
-        self.stem = Stem(in_chans, embed_dim, **dd)
+        stem = Stem(in_chans, embed_dim, **dd)
         # In execution order: stage i's downsampling block (from i = 1), LSA and QnA blocks.
         dpr = calculate_drop_path_rates(drop_path_rate,
                                         sum(lsa_depths) + sum(qna_depths) + num_stages - 1)
-        self.feature_info = []
-        stages = []
+        feature_info, stages = [], []
         dim = embed_dim
         for i in range(num_stages):
             in_dim, dim = dim, embed_dim * 2 ** i
@@ -271,8 +265,11 @@ class QnAViT(StagedModel):
                 kernel_sizes[i], window_sizes[i], stage_dpr, downsample=downsample,
                 num_queries=num_queries, mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate,
                 backend=backend, attn_norm=attn_norm, **dd))
-            self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
-        self.set_stages(stages, LayerNorm2d(dim, eps=_LN_EPS, **dd), global_pool)
+            feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** i, module=f'stages.{i}'))
+        super().__init__(
+            stem=stem, stages=stages, norm=LayerNorm2d(dim, eps=_LN_EPS, **dd),
+            feature_info=feature_info, in_chans=in_chans, min_size=1, num_classes=num_classes,
+            global_pool=global_pool, drop_rate=drop_rate)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -514,7 +511,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: QnAViT) -> Dict[str,
 
 
 # --------------------------------------------------------------------------------------------
-# model creation, pretrained configs, registration
+# model creation, pretrained configs, entrypoints
 # --------------------------------------------------------------------------------------------
 
 def _create_qna_vit(variant: str, pretrained: bool = False, **kwargs) -> QnAViT:
@@ -522,20 +519,16 @@ def _create_qna_vit(variant: str, pretrained: bool = False, **kwargs) -> QnAViT:
                         checkpoint_filter_fn, **kwargs)
 
 
-# The official weights exist only behind the authors' download link (Flax files): no hf_hub_id /
-# url. pretrained=True explains how to convert and load them.
+# The official weights are Flax checkpoints behind the authors' download link; `attnzoo publish`
+# converts them into the project's Hub repos (hub_repo), which pretrained=True loads.
 _CFG = staged_cfg(
     license='mit', origin_url='https://github.com/moabarar/qna', paper_ids='arXiv:2112.11435',
-    paper_name='Learned Queries for Efficient Local Attention',
-    notes=('official ImageNet-1k weights: Flax checkpoints linked from the origin_url README; '
-           'convert with `attnzoo convert`',))
+    paper_name='Learned Queries for Efficient Local Attention')
 
 
 default_cfgs = generate_default_cfgs({
-    'qna_vit_tiny.in1k': dict(_CFG),
-    'qna_vit_tiny_7x7.in1k': dict(_CFG),
-    'qna_vit_small.in1k': dict(_CFG),
-    'qna_vit_base.in1k': dict(_CFG),
+    tag: dict(_CFG, hf_hub_id=hub_repo(tag)) for tag in (
+        'qna_vit_tiny.in1k', 'qna_vit_tiny_7x7.in1k', 'qna_vit_small.in1k', 'qna_vit_base.in1k')
 })
 
 _TINY = dict(embed_dim=64, qna_depths=(2, 3, 2, 0), lsa_depths=(0, 0, 4, 2),
@@ -544,10 +537,30 @@ _SMALL = dict(_TINY, qna_depths=(2, 3, 6, 0), lsa_depths=(0, 0, 12, 2), drop_pat
 _BASE = dict(_SMALL, embed_dim=96, qna_heads=(6, 12, 24, 48), lsa_heads=(3, 6, 12, 24),
              drop_path_rate=0.5)
 
-register_variants(globals(), _create_qna_vit, {
-    'qna_vit_tiny': ("QnA-ViT-Tiny (15.7M params, 2.4 GMACs @ 224), 3x3 QnA windows.", _TINY),
-    'qna_vit_tiny_7x7': ("QnA-ViT-Tiny with 7x7 QnA windows (15.8M params, 2.5 GMACs @ 224).",
-                         dict(_TINY, kernel_size=7)),
-    'qna_vit_small': ("QnA-ViT-Small (25.0M params, 4.3 GMACs @ 224).", _SMALL),
-    'qna_vit_base': ("QnA-ViT-Base (55.7M params, 9.5 GMACs @ 224).", _BASE),
-})
+
+@register_model
+def qna_vit_tiny(pretrained=False, **kwargs) -> QnAViT:
+    """QnA-ViT-Tiny (15.7M params, 2.4 GMACs @ 224), 3x3 QnA windows."""
+    model_args = _TINY
+    return _create_qna_vit('qna_vit_tiny', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def qna_vit_tiny_7x7(pretrained=False, **kwargs) -> QnAViT:
+    """QnA-ViT-Tiny with 7x7 QnA windows (15.8M params, 2.5 GMACs @ 224)."""
+    model_args = dict(_TINY, kernel_size=7)
+    return _create_qna_vit('qna_vit_tiny_7x7', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def qna_vit_small(pretrained=False, **kwargs) -> QnAViT:
+    """QnA-ViT-Small (25.0M params, 4.3 GMACs @ 224)."""
+    model_args = _SMALL
+    return _create_qna_vit('qna_vit_small', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def qna_vit_base(pretrained=False, **kwargs) -> QnAViT:
+    """QnA-ViT-Base (55.7M params, 9.5 GMACs @ 224)."""
+    model_args = _BASE
+    return _create_qna_vit('qna_vit_base', pretrained, **dict(model_args, **kwargs))

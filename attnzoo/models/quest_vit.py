@@ -44,7 +44,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoi
 
 from ..layers.quest import FORMULATIONS, attn_layer_for
 from ._helpers import build_model, check_image_input, check_state_dict, unwrap_checkpoint
-from ._registry import register_variants
+from ._registry import register_model
 
 __all__ = ["checkpoint_filter_fn", "from_timm_weights", "TIMM_COUNTERPARTS"]
 
@@ -211,29 +211,59 @@ _CFG = {
 
 default_cfgs = generate_default_cfgs({name: dict(_CFG) for name in TIMM_COUNTERPARTS})
 
+# DeiT-3 style: LayerScale 1e-6, no position embedding on the class token
 _DEIT3 = dict(no_embed_class=True, init_values=1e-6)
 
-register_variants(globals(), _create_quest_vit, {
-    'quest_vit_tiny_patch16_224': (
-        "QUEST ViT-Ti/16 (DeiT-Ti config; paper: DeiT 300 ep, 73.4 top-1).",
-        dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)),
-    'quest_vit_small_patch16_224': (
-        "QUEST ViT-S/16 (DeiT-S config; paper: DeiT 200 ep, 80.2 top-1).",
-        dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)),
-    'quest_vit_base_patch16_224': (
-        "QUEST ViT-B/16 (DeiT-B config; paper: DeiT 100 ep, 79.7 top-1).",
-        dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)),
-    'quest_vit_large_patch16_224': (
-        "QUEST ViT-L/16 (class token and position embedding as DeiT; paper: DeiT 100 ep, 74.9).",
-        dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16)),
-    'quest_deit3_base_patch16_224': (
-        "QUEST ViT-B/16, DeiT-3 style (LayerScale 1e-6, no class-token position embedding; "
-        "paper: DeiT-3 400+20 ep, 83.2 top-1).",
-        dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, **_DEIT3)),
-    'quest_deit3_large_patch16_224': (
-        "QUEST ViT-L/16, DeiT-3 style (paper: DeiT-3 400+20 ep, 84.1 top-1).",
-        dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16, **_DEIT3)),
-    'quest_deit3_huge_patch14_224': (
-        "QUEST ViT-H/14, DeiT-3 style (paper: DeiT-3 400+20 ep, 83.4 top-1).",
-        dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16, **_DEIT3)),
-})
+
+@register_model
+def quest_vit_tiny_patch16_224(pretrained=False, **kwargs) -> VisionTransformer:
+    """QUEST ViT-Ti/16 (DeiT-Ti config; paper: DeiT 300 ep, 73.4 top-1)."""
+    model_args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
+    return _create_quest_vit('quest_vit_tiny_patch16_224', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def quest_vit_small_patch16_224(pretrained=False, **kwargs) -> VisionTransformer:
+    """QUEST ViT-S/16 (DeiT-S config; paper: DeiT 200 ep, 80.2 top-1)."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
+    return _create_quest_vit(
+        'quest_vit_small_patch16_224', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def quest_vit_base_patch16_224(pretrained=False, **kwargs) -> VisionTransformer:
+    """QUEST ViT-B/16 (DeiT-B config; paper: DeiT 100 ep, 79.7 top-1)."""
+    model_args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
+    return _create_quest_vit('quest_vit_base_patch16_224', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def quest_vit_large_patch16_224(pretrained=False, **kwargs) -> VisionTransformer:
+    """QUEST ViT-L/16 (class token and position embedding as DeiT; paper: DeiT 100 ep, 74.9)."""
+    model_args = dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16)
+    return _create_quest_vit(
+        'quest_vit_large_patch16_224', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def quest_deit3_base_patch16_224(pretrained=False, **kwargs) -> VisionTransformer:
+    """QUEST ViT-B/16, DeiT-3 style (paper: DeiT-3 400+20 ep, 83.2 top-1)."""
+    model_args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, **_DEIT3)
+    return _create_quest_vit(
+        'quest_deit3_base_patch16_224', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def quest_deit3_large_patch16_224(pretrained=False, **kwargs) -> VisionTransformer:
+    """QUEST ViT-L/16, DeiT-3 style (paper: DeiT-3 400+20 ep, 84.1 top-1)."""
+    model_args = dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16, **_DEIT3)
+    return _create_quest_vit(
+        'quest_deit3_large_patch16_224', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def quest_deit3_huge_patch14_224(pretrained=False, **kwargs) -> VisionTransformer:
+    """QUEST ViT-H/14, DeiT-3 style (paper: DeiT-3 400+20 ep, 83.4 top-1)."""
+    model_args = dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16, **_DEIT3)
+    return _create_quest_vit(
+        'quest_deit3_huge_patch14_224', pretrained, **dict(model_args, **kwargs))

@@ -9,8 +9,9 @@ Paper: `Exploring Self-attention for Image Recognition` - https://arxiv.org/abs/
 }
 
 Official code and weights: https://github.com/hszhao/SAN (MIT); the trained models are on the
-Google Drive folder its README links. They are not on the Hugging Face Hub: download one, then
-``attnzoo convert san10_pairwise model_best.pth san10_pairwise.safetensors`` and load it with
+Google Drive folder its README links. ``attnzoo publish`` puts them in the project's Hub repos
+(``attnzoo/san10_pairwise.in1k``), which ``pretrained=True`` loads; a local copy loads with
+``attnzoo convert san10_pairwise model_best.pth san10_pairwise.safetensors`` and
 ``timm.create_model('san10_pairwise', pretrained=True,
 pretrained_cfg_overlay=dict(file='san10_pairwise.safetensors'))`` (the official ``.pth`` loads
 the same way directly).
@@ -40,8 +41,8 @@ from timm.layers import BatchNormAct2d, DropPath, calculate_drop_path_rates
 from timm.models import generate_default_cfgs
 
 from ..layers import SAM
-from ._helpers import check_state_dict, per_stage, rename_key, unwrap_checkpoint
-from ._registry import register_variants
+from ._helpers import check_state_dict, hub_repo, per_stage, rename_key, unwrap_checkpoint
+from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
 
 __all__ = ["SAN", "checkpoint_filter_fn"]
@@ -173,22 +174,13 @@ class SAN(StagedModel):
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
         num_stages = len(depths)
         widths = per_stage(widths, num_stages, "widths")
         kernel_sizes = per_stage(kernel_sizes, num_stages, "kernel_sizes")
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.drop_rate = drop_rate
-        self.output_fmt = 'NCHW'
-        self.kernel_sizes = kernel_sizes
-        self.padding_mode = padding_mode
-        self.min_size = min_input_size(kernel_sizes, padding_mode)
 
-        self.stem = Stem(in_chans, stem_width, **dd)
+        stem = Stem(in_chans, stem_width, **dd)
         dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
-        self.feature_info = []
-        stages = []
+        feature_info, stages = [], []
         in_chs = stem_width
         for i in range(num_stages):
             stages.append(SANStage(
@@ -196,10 +188,17 @@ class SAN(StagedModel):
                 kernel_size=kernel_sizes[i], sa_type=sa_type, relation=relation,
                 rel_ratio=rel_ratio, mid_ratio=mid_ratio, share_planes=share_planes,
                 padding_mode=padding_mode, backend=backend, **dd))
-            self.feature_info.append(
+            feature_info.append(
                 dict(num_chs=widths[i], reduction=2 ** (i + 1), module=f'stages.{i}'))
             in_chs = widths[i]
-        self.set_stages(stages, BatchNormAct2d(in_chs, **dd), global_pool)
+        super().__init__(
+            stem=stem, stages=stages, norm=BatchNormAct2d(in_chs, **dd),
+            feature_info=feature_info, in_chans=in_chans,
+            min_size=min_input_size(kernel_sizes, padding_mode), num_classes=num_classes,
+            global_pool=global_pool, drop_rate=drop_rate)
+        # for stages_pruned
+        self.kernel_sizes = kernel_sizes
+        self.padding_mode = padding_mode
         # Official init: PyTorch's defaults everywhere (nothing to do).
 
     @torch.jit.ignore
@@ -261,7 +260,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: SAN) -> Dict[str, to
 
 
 # --------------------------------------------------------------------------------------------
-# model creation, pretrained configs, registration
+# model creation, pretrained configs, entrypoints
 # --------------------------------------------------------------------------------------------
 
 def _create_san(variant: str, pretrained: bool = False, **kwargs) -> SAN:
@@ -269,35 +268,60 @@ def _create_san(variant: str, pretrained: bool = False, **kwargs) -> SAN:
                         checkpoint_filter_fn, **kwargs)
 
 
-# No Hub weights: the official checkpoints are on Google Drive (origin_url's README).
+# The official checkpoints are on the Google Drive folder origin_url's README links; `attnzoo
+# publish` converts them into the project's Hub repos (hub_repo), which pretrained=True loads.
 _CFG = staged_cfg(
     # reflection padding in the last stage (7x7, pad 3) needs a 4x4 map
     min_input_size=(3, 128, 128), interpolation='bilinear', license='mit',
     paper_ids='arXiv:2004.13621', paper_name='Exploring Self-attention for Image Recognition',
-    origin_url='https://github.com/hszhao/SAN',
-    notes=('official ImageNet-1k weights: the Google Drive folder linked from '
-           'https://github.com/hszhao/SAN (not on the Hugging Face Hub); load with '
-           "pretrained_cfg_overlay=dict(file='model_best.pth')",))
+    origin_url='https://github.com/hszhao/SAN')
 
 
 default_cfgs = generate_default_cfgs({
-    f'san{n}_{t}.in1k': dict(_CFG) for n in (10, 15, 19) for t in ('pairwise', 'patchwise')
+    tag: dict(_CFG, hf_hub_id=hub_repo(tag))
+    for tag in (f'san{n}_{t}.in1k' for n in (10, 15, 19) for t in ('pairwise', 'patchwise'))
 })
 
 _DEPTHS = {10: (2, 1, 2, 4, 1), 15: (3, 2, 3, 5, 2), 19: (3, 3, 4, 6, 3)}
 
-register_variants(globals(), _create_san, {
-    'san10_pairwise': ("SAN10, pairwise (subtraction) attention: 10.5M params, 2.2 GMACs @ 224 "
-                       "by the official counter, 74.9% top-1.",
-                       dict(depths=_DEPTHS[10], sa_type='pairwise')),
-    'san10_patchwise': ("SAN10, patchwise (concatenation) attention: 11.8M params, 1.9 GMACs, "
-                        "77.1% top-1.", dict(depths=_DEPTHS[10], sa_type='patchwise')),
-    'san15_pairwise': ("SAN15, pairwise attention: 14.1M params, 3.0 GMACs, 76.6% top-1.",
-                       dict(depths=_DEPTHS[15], sa_type='pairwise')),
-    'san15_patchwise': ("SAN15, patchwise attention: 16.2M params, 2.6 GMACs, 78.0% top-1.",
-                        dict(depths=_DEPTHS[15], sa_type='patchwise')),
-    'san19_pairwise': ("SAN19, pairwise attention: 17.6M params, 3.8 GMACs, 76.9% top-1.",
-                       dict(depths=_DEPTHS[19], sa_type='pairwise')),
-    'san19_patchwise': ("SAN19, patchwise attention: 20.5M params, 3.3 GMACs, 78.2% top-1.",
-                        dict(depths=_DEPTHS[19], sa_type='patchwise')),
-})
+
+@register_model
+def san10_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN10, pairwise (subtraction): 10.5M params, 2.2 GMACs (official counter), 74.9% top-1."""
+    model_args = dict(depths=_DEPTHS[10], sa_type='pairwise')
+    return _create_san('san10_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san10_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN10, patchwise (concatenation): 11.8M params, 1.9 GMACs, 77.1% top-1."""
+    model_args = dict(depths=_DEPTHS[10], sa_type='patchwise')
+    return _create_san('san10_patchwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san15_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN15, pairwise attention: 14.1M params, 3.0 GMACs, 76.6% top-1."""
+    model_args = dict(depths=_DEPTHS[15], sa_type='pairwise')
+    return _create_san('san15_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san15_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN15, patchwise attention: 16.2M params, 2.6 GMACs, 78.0% top-1."""
+    model_args = dict(depths=_DEPTHS[15], sa_type='patchwise')
+    return _create_san('san15_patchwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san19_pairwise(pretrained=False, **kwargs) -> SAN:
+    """SAN19, pairwise attention: 17.6M params, 3.8 GMACs, 76.9% top-1."""
+    model_args = dict(depths=_DEPTHS[19], sa_type='pairwise')
+    return _create_san('san19_pairwise', pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def san19_patchwise(pretrained=False, **kwargs) -> SAN:
+    """SAN19, patchwise attention: 20.5M params, 3.3 GMACs, 78.2% top-1."""
+    model_args = dict(depths=_DEPTHS[19], sa_type='patchwise')
+    return _create_san('san19_patchwise', pretrained, **dict(model_args, **kwargs))

@@ -6,7 +6,10 @@ Tiers (``ATTNZOO_TIMM_SUITE``):
   features, torchscript, pretrained loading, wherever timm's suite runs them); every other case of
   the suite (FX, intermediates, the prune contract, ...) runs on the smallest model of each
   family; models matching ``SIZE_EXCLUDE`` (the patterns timm's own CI excludes for its biggest
-  models) are left out as timm leaves out its own.
+  models) are left out as timm leaves out its own. Pretrained loading of a tag in the project's
+  Hub namespace (``attnzoo/*``: timm-native files that ``attnzoo publish`` writes, no layout
+  converted on load; tests/test_hub.py checks them per family) runs on the smallest model of
+  each family too.
 - ``full``: every case on every model.
 
 Families: every attnzoo model family (``attnzoo.models.model_family``) must be listed in
@@ -90,6 +93,15 @@ def smallest_per_family() -> Dict[str, str]:
     return {fam: name for fam, (_, name) in best.items()}
 
 
+def _in_project_namespace(model_name: str) -> bool:
+    import timm
+
+    from attnzoo.models._helpers import HUB_ORG
+
+    cfg = timm.get_pretrained_cfg(model_name)
+    return bool(cfg and cfg.hf_hub_id and cfg.hf_hub_id.startswith(f"{HUB_ORG}/"))
+
+
 def tier_reason(test_name: str, model_name: str) -> str | None:
     """Why the default tier leaves this case out (None: it runs)."""
     if full_run():
@@ -97,7 +109,8 @@ def tier_reason(test_name: str, model_name: str) -> str | None:
     arch = model_name.split(".", 1)[0]
     if any(fnmatch.fnmatch(arch, p) for p in SIZE_EXCLUDE):
         return "size exclusion, as timm's CI excludes its own biggest models"
-    if test_name in CORE_TESTS:
+    if test_name in CORE_TESTS and not (test_name == "test_model_load_pretrained"
+                                        and _in_project_namespace(model_name)):
         return None
     from attnzoo.models import model_family
 

@@ -1,0 +1,599 @@
+"""Checkpoints in, Hugging Face Hub folders out: conversion, safetensors export, publishing and
+model cards, in one place.
+
+Conversion (``attnzoo convert``)
+    :func:`load_official` reads any checkpoint of a model's family (a family may provide its own
+    reader, ``read_checkpoint(path)`` in its model module, for files that are not torch /
+    safetensors checkpoints, e.g. QnA-ViT's Flax msgpack; torch and safetensors files, told by
+    their first bytes, always go to :func:`read_checkpoint` here) and converts it with the
+    family's ``checkpoint_filter_fn``, which checks every key and shape. :func:`save_converted`
+    writes the result as safetensors, which timm loads with
+    ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=PATH))``.
+
+Publishing (``attnzoo publish``)
+    :func:`load_checkpoint_model` builds the model from any checkpoint (official layouts, a timm
+    ``train.py`` checkpoint, with its EMA weights if asked, or safetensors) and loads it strictly;
+    :func:`evaluate` measures top-1/top-5 on an ImageFolder; :func:`write_hub_folder` writes the
+    folder with timm's own ``save_for_hf`` (``model.safetensors``, ``config.json``) and the
+    ``README.md`` of :func:`readme`; :func:`check_reload` reloads it through
+    ``local-dir:`` and compares logits; :func:`upload` creates the repo and uploads the folder
+    with huggingface_hub. Nothing is uploaded before the reload matched.
+
+Model cards
+    :func:`model_card` gives a model's card in the form timm's ``generate_readme`` takes; the
+    Hub ``README.md`` (:func:`readme`) and ``MODEL_CARDS.md`` (:func:`model_cards_markdown`) are
+    both rendered from it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+
+from . import __version__, backends
+from .models import list_models, model_family
+from .models._helpers import HUB_ORG, hub_repo
+from .profiling import count_macs, count_params
+
+__all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "read_checkpoint", "load_official",
+           "save_converted", "load_checkpoint_model", "check_finite", "evaluate",
+           "measure_facts", "backends_here", "config_line", "input_sizes", "weights_source",
+           "model_card", "readme", "model_cards_markdown", "publish_table", "check_repo_id",
+           "check_out_dir", "write_hub_folder", "check_reload", "check_token", "upload"]
+
+PathLike = Union[str, os.PathLike]
+
+# The top-1 each paper reports on ImageNet-1k val at the model's default resolution, and where
+# (the registry's pretrained cfgs have no field for it). Models the sources do not cover are
+# absent: the DiNAT-L 384 fine-tunes (not in shared/specs/nat.md).
+PAPER_TOP1: Dict[str, Tuple[float, str]] = {
+    **{name: (top1, "NAT paper, Table 3") for name, top1 in (
+        ("nat_mini", 81.8), ("nat_tiny", 83.2), ("nat_small", 83.7), ("nat_base", 84.3))},
+    **{name: (top1, "DiNAT paper, ImageNet-1k classification table") for name, top1 in (
+        ("dinat_mini", 81.8), ("dinat_tiny", 82.7), ("dinat_small", 83.8),
+        ("dinat_base", 84.4))},
+    "dinat_large": (86.6, "DiNAT paper, ImageNet-22k pre-trained, fine-tuned on ImageNet-1k"),
+    **{name: (top1, "QnA paper, Table 1") for name, top1 in (
+        ("qna_vit_tiny", 81.7), ("qna_vit_tiny_7x7", 82.0), ("qna_vit_small", 83.2),
+        ("qna_vit_base", 83.7))},
+    **{name: (top1, "SAN paper, Table 3") for name, top1 in (
+        ("san10_pairwise", 74.9), ("san10_patchwise", 77.1), ("san15_pairwise", 76.6),
+        ("san15_patchwise", 78.0), ("san19_pairwise", 76.9), ("san19_patchwise", 78.2))},
+    "quest_vit_tiny_patch16_224": (73.4, "QUEST paper, Table 1 (DeiT, 300 epochs)"),
+    **{name: (top1, f"QUEST paper, Table 2 ({recipe})") for name, top1, recipe in (
+        ("quest_vit_small_patch16_224", 80.2, "DeiT, 200 epochs"),
+        ("quest_vit_base_patch16_224", 79.7, "DeiT, 100 epochs"),
+        ("quest_vit_large_patch16_224", 74.9, "DeiT, 100 epochs"),
+        ("quest_deit3_base_patch16_224", 83.2, "DeiT-3, 400+20 epochs"),
+        ("quest_deit3_large_patch16_224", 84.1, "DeiT-3, 400+20 epochs"),
+        ("quest_deit3_huge_patch14_224", 83.4, "DeiT-3, 400+20 epochs"))},
+}
+
+# timm train.py's checkpoint (CheckpointSaver): the model's and the EMA model's state dicts.
+_TRAIN_KEYS = ("state_dict", "state_dict_ema")
+
+
+# ----------------------------------------------------------------------------------------------
+# reading and converting checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def read_checkpoint(path: PathLike) -> Dict[str, Any]:
+    """A torch (``.pth`` / ``.bin`` / ``.pt`` / ``.pth.tar``) or safetensors checkpoint, tensors on
+    the CPU. A ``train.py`` checkpoint's ``args`` (an ``argparse.Namespace``) is allowed; nothing
+    else that is not a tensor or a plain container is unpickled."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    try:
+        if path.endswith(".safetensors") or _file_kind(path) == "safetensors":
+            import safetensors.torch
+            return safetensors.torch.load_file(path, device="cpu")
+        torch.serialization.add_safe_globals([argparse.Namespace])
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - report what the file is not, with the cause
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"{path!r} is not a readable torch or safetensors checkpoint (corrupted "
+                         f"or truncated?): {type(e).__name__}: {cause}") from e
+
+
+def _file_kind(path: PathLike) -> Optional[str]:
+    """``'torch'`` or ``'safetensors'`` by the file's first bytes, else None."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04" or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        return "torch"  # torch.save: a zip archive, or a pickle (PROTO opcode, protocol 2-5)
+    # safetensors: little-endian u64 header length, then the JSON header
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 1:
+        return "safetensors"
+    return None
+
+
+def _family_module(model_name: str):
+    arch = model_name.split(".", 1)[0]
+    if arch not in list_models():
+        raise ValueError(f"{model_name!r} is not an attnzoo model; `attnzoo list` names them")
+    return importlib.import_module(f"attnzoo.models.{model_family(arch)}")
+
+
+def _read_any(model_name: str, path: PathLike) -> Any:
+    """The checkpoint at ``path`` read by the family's reader or, for torch / safetensors
+    files, by :func:`read_checkpoint`."""
+    module = _family_module(model_name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {os.fspath(path)!r} does not exist")
+    reader = read_checkpoint if _file_kind(path) else getattr(module, "read_checkpoint",
+                                                              read_checkpoint)
+    return reader(path)
+
+
+def _convert(model_name: str, checkpoint: Any, **model_kwargs) -> Dict[str, torch.Tensor]:
+    """``checkpoint`` through the family's filter onto ``timm.create_model(model_name,
+    **model_kwargs)`` (built on the meta device: only its keys and shapes are needed)."""
+    import timm
+    model = timm.create_model(model_name, pretrained=False, device="meta", **model_kwargs)
+    state_dict = _family_module(model_name).checkpoint_filter_fn(checkpoint, model)
+    return {k: v.contiguous() for k, v in state_dict.items()}
+
+
+def load_official(model_name: str, path: PathLike, **model_kwargs) -> Dict[str, torch.Tensor]:
+    """Read an official checkpoint of ``model_name``'s family and convert it to the state dict of
+    ``timm.create_model(model_name, **model_kwargs)``; raises ``ValueError`` naming what does not
+    match."""
+    return _convert(model_name, _read_any(model_name, path), **model_kwargs)
+
+
+def save_converted(state_dict: Dict[str, torch.Tensor], path: PathLike) -> None:
+    """Write a converted state dict as safetensors (what timm's ``file=`` overlay loads)."""
+    import safetensors.torch
+    safetensors.torch.save_file({k: v.contiguous() for k, v in state_dict.items()}, os.fspath(path))
+
+
+def load_checkpoint_model(model_name: str, path: PathLike,
+                          use_ema: bool = False) -> Tuple[torch.nn.Module, str]:
+    """``model_name`` (a model or ``model.tag``) built from the checkpoint at ``path`` and loaded
+    strictly, in eval mode, with a sentence saying which weights were taken.
+
+    Any checkpoint :func:`load_official` reads, and timm ``train.py`` checkpoints: their
+    ``state_dict`` by default, ``state_dict_ema`` with ``use_ema``. The classifier's classes and
+    the stem's input channels are the checkpoint's. Raises ``ValueError`` (one line per problem)
+    for a file that cannot be read or does not fit."""
+    import timm
+
+    checkpoint = _read_any(model_name, path)
+    name = source = os.path.basename(os.fspath(path))
+    if isinstance(checkpoint, dict) and any(k in checkpoint for k in _TRAIN_KEYS):
+        key = "state_dict_ema" if use_ema else "state_dict"
+        if key not in checkpoint:
+            raise ValueError(f"{name} has no {key!r} (it holds "
+                             f"{', '.join(k for k in _TRAIN_KEYS if k in checkpoint)})")
+        epoch = f", epoch {checkpoint['epoch']}" if "epoch" in checkpoint else ""
+        other = "state_dict" if use_ema else "state_dict_ema"
+        source = (f"{key} ({'EMA' if use_ema else 'non-EMA'} weights) of {name}{epoch}"
+                  + (f"; it also holds {other}" if other in checkpoint else ""))
+        checkpoint = checkpoint[key]
+    elif use_ema:
+        raise ValueError(f"{name} is not a train.py checkpoint with EMA weights "
+                         f"(no 'state_dict_ema'); leave out --use-ema")
+    state_dict = _convert(model_name, checkpoint)
+    cfg = timm.create_model(model_name, device="meta").pretrained_cfg
+    kwargs = {}
+    head = state_dict.get(f"{cfg['classifier']}.weight")
+    if head is not None and head.shape[0] != cfg["num_classes"]:
+        kwargs["num_classes"] = head.shape[0]
+    stem = state_dict.get(f"{cfg['first_conv']}.weight")
+    if stem is not None and stem.shape[1] != 3:
+        kwargs["in_chans"] = stem.shape[1]
+    model = timm.create_model(model_name, device="meta", **kwargs)
+    restored = model.state_dict().keys()
+    if all(name in restored for name, _ in model.named_buffers()):
+        model = model.to_empty(device="cpu")  # every value comes from the checkpoint: no init
+    else:  # a buffer the state dict does not restore needs the constructor's value
+        model = timm.create_model(model_name, **kwargs)
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except RuntimeError as e:  # keys the filter leaves to timm (the classifier)
+        raise ValueError(f"checkpoint does not match {model_name}: "
+                         + " ".join(str(e).split())) from None
+    return model.eval(), source
+
+
+# ----------------------------------------------------------------------------------------------
+# measuring
+# ----------------------------------------------------------------------------------------------
+
+def _check_input(model: torch.nn.Module) -> torch.Tensor:
+    """A fixed random image at the model's default input size (same values on every call)."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(1, *model.pretrained_cfg["input_size"], generator=gen)
+
+
+def check_finite(model: torch.nn.Module) -> torch.Tensor:
+    """The logits of :func:`_check_input`; ``ValueError`` if any is not finite."""
+    with torch.no_grad():
+        logits = model(_check_input(model))
+    bad = int((~torch.isfinite(logits)).sum())
+    if bad:
+        raise ValueError(f"the model's logits are not finite ({bad} of {logits.numel()} "
+                         "values): wrong or corrupted weights")
+    return logits
+
+
+def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
+             workers: int = 0) -> Dict[str, float]:
+    """Top-1 / top-5 accuracy (%) of ``model`` on an ImageFolder (one sub-folder per class,
+    classes in sorted order as timm's ``validate.py`` takes them), with the model's eval
+    transform (``resolve_data_config``), a progress bar on stderr."""
+    from timm.data import create_dataset, create_loader, resolve_data_config
+    from tqdm import tqdm
+
+    image_dir = os.fspath(image_dir)
+    if not os.path.isdir(image_dir):
+        raise ValueError(f"--eval-dir {image_dir!r} is not a folder")
+    dataset = create_dataset("", root=image_dir)
+    classes = getattr(dataset.reader, "class_to_idx", {})
+    if not len(dataset) or len(classes) > model.num_classes:
+        raise ValueError(f"--eval-dir {image_dir!r} must be an ImageFolder (one sub-folder of "
+                         f"images per class, at most {model.num_classes} classes); it has "
+                         f"{len(classes)} classes and {len(dataset)} images")
+    cfg = resolve_data_config({}, model=model)
+    loader = create_loader(dataset, input_size=cfg["input_size"], batch_size=batch_size,
+                           use_prefetcher=False, interpolation=cfg["interpolation"],
+                           mean=cfg["mean"], std=cfg["std"], crop_pct=cfg["crop_pct"],
+                           crop_mode=cfg["crop_mode"], num_workers=workers)
+    correct1 = correct5 = 0
+    with torch.no_grad():
+        for x, y in tqdm(loader, desc="eval", unit="batch"):
+            top = model(x).topk(min(5, model.num_classes), dim=-1).indices
+            correct1 += int((top[:, 0] == y).sum())
+            correct5 += int((top == y[:, None]).any(-1).sum())
+    n = len(dataset)
+    return {"top1": 100 * correct1 / n, "top5": 100 * correct5 / n, "images": n}
+
+
+def measure_facts(model: torch.nn.Module) -> Dict[str, Any]:
+    """GMACs at the model's default input size and the attnzoo ops one forward runs (counted on
+    whatever device the model is on; the meta device is enough)."""
+    ops: Dict[str, None] = {}
+
+    @contextlib.contextmanager
+    def seen(op: str, backend: str, macs: int):
+        ops[op] = None
+        yield
+
+    if next(model.parameters()).device.type != "meta":
+        model = copy.deepcopy(model).to("meta")  # counting needs shapes, not a real forward
+    size = model.pretrained_cfg["input_size"]
+    with backends.observe_ops(seen):
+        macs = count_macs(model, (1, *size))
+    return {"gmacs": round(macs / 1e9, 2), "ops": list(ops)}
+
+
+def backends_here(model: torch.nn.Module) -> Dict[str, Optional[str]]:
+    """Each concrete backend: None if it runs a forward of ``model`` here (one image on its
+    device, of its smallest input size, 64x64 where any size goes), else why not (every backend
+    "runs" a model without attnzoo ops)."""
+    cfg = model.pretrained_cfg
+    size = cfg["input_size"] if cfg.get("fixed_input_size") else (
+        cfg.get("min_input_size") or (cfg["input_size"][0], 64, 64))
+    x = torch.randn(1, *size, device=next(model.parameters()).device)
+    result: Dict[str, Optional[str]] = {}
+    for name in backends.CONCRETE_BACKENDS:
+        try:
+            with torch.no_grad(), backends.use_backend(name):
+                model(x)
+            result[name] = None
+        except backends.BackendUnsupportedError as e:
+            result[name] = str(e)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# model cards
+# ----------------------------------------------------------------------------------------------
+
+def config_line(model: torch.nn.Module) -> str:
+    """What distinguishes a variant: stage depths and widths, and its attention layers."""
+    parts = []
+    if hasattr(model, "stages"):
+        parts.append(f"depths {[len(getattr(s, 'blocks', ())) for s in model.stages]}")
+    parts.append(f"widths {[f['num_chs'] for f in model.feature_info]}")
+    attn: Dict[str, list] = {}
+    for m in model.modules():
+        if type(m).__module__.startswith("attnzoo.layers"):
+            attn.setdefault(type(m).__name__, []).append(m)
+    for cls, mods in attn.items():
+        configs: Dict[str, int] = {}
+        for m in mods:  # one entry per distinct configuration, in order of appearance
+            configs[m.extra_repr()] = configs.get(m.extra_repr(), 0) + 1
+        parts += [f"{n} x {cls}({config})" for config, n in configs.items()]
+    return "; ".join(parts)
+
+
+def _bibtex(model_name: str, paper_id: str) -> Optional[str]:
+    """The BibTeX entry that follows the paper's arXiv link in the family module's docstring."""
+    doc = _family_module(model_name).__doc__ or ""
+    arxiv = paper_id.split(":")[-1]
+    m = re.search(rf"abs/{re.escape(arxiv)}\s*\n(@\w+\{{.*?\n\}})", doc, re.S)
+    return m.group(1) if m else None
+
+
+def input_sizes(cfg: Mapping[str, Any]) -> str:
+    size = "x".join(map(str, cfg["input_size"][1:]))
+    if cfg.get("fixed_input_size"):
+        return f"{size} (img_size= or dynamic_img_size=True for others)"
+    if cfg.get("min_input_size"):
+        return f"any from {'x'.join(map(str, cfg['min_input_size'][1:]))} (default {size})"
+    return f"any (default {size})"
+
+
+def weights_source(tag: str) -> str:
+    """Where ``pretrained=True`` gets tag ``tag``'s weights, in a sentence."""
+    import timm
+    cfg = timm.get_pretrained_cfg(tag)
+    if cfg is None or not cfg.tag:
+        return "no pretrained tag"
+    if cfg.hf_hub_id and cfg.hf_hub_id == hub_repo(tag):
+        return (f"Hub repo {cfg.hf_hub_id}, where `attnzoo publish` puts the official "
+                f"checkpoint ({cfg.origin_url}) converted")
+    if cfg.hf_hub_id:
+        return (f"Hub repo {cfg.hf_hub_id}, the authors' upload (converted on load); a "
+                f"timm-native copy: {hub_repo(tag)}")
+    if cfg.url:
+        return f"URL {cfg.url}"
+    if cfg.file:
+        return f"file overlay only ({cfg.file})"
+    return f"none downloadable: the official weights are at {cfg.origin_url}"
+
+
+def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str = "",
+               weights: str = "", evaluation: Optional[Mapping[str, Any]] = None,
+               throughput: str = "") -> Dict[str, Any]:
+    """``model``'s card as timm's ``generate_readme`` takes it (``tags``, ``license``,
+    ``details``, ``usage``, ``comparison``, ``citation``).
+
+    ``facts``: :func:`measure_facts`'s ``gmacs`` and ``ops``; ``repo_id``: the Hub repo the card
+    is for (usage loads ``hf-hub:<repo_id>``; default: the registry name); ``weights``: where
+    these weights come from (default: the tag's source); ``evaluation``: :func:`evaluate`'s
+    result; ``throughput``: a measured figure, with its setting."""
+    cfg = model.pretrained_cfg
+    arch, tag = cfg["architecture"], cfg.get("tag")
+    name = f"{arch}.{tag}" if tag else arch
+    paper_id = cfg.get("paper_ids", "")
+    details: Dict[str, Any] = {
+        "Model Type": "Image classification / feature backbone",
+        "Architecture": config_line(model),
+        "Model Stats": {
+            "Params (M)": f"{count_params(model) / 1e6:.2f}",
+            "GMACs": f"{facts['gmacs']:.2f} at {'x'.join(map(str, cfg['input_size'][1:]))}",
+            "Input size": input_sizes(cfg),
+        },
+        "Data config": (f"{cfg['interpolation']} resize, crop_pct {cfg['crop_pct']}, mean "
+                        f"{tuple(round(v, 4) for v in cfg['mean'])}, std "
+                        f"{tuple(round(v, 4) for v in cfg['std'])}"),
+    }
+    if paper_id:
+        details["Papers"] = {cfg.get("paper_name", paper_id):
+                             f"https://arxiv.org/abs/{paper_id.split(':')[-1]}"}
+    if tag and "in1k" in tag:
+        details["Dataset"] = "ImageNet-1k"
+        if "in22k" in tag:
+            details["Pretrain Dataset"] = "ImageNet-22k"
+    if cfg.get("origin_url"):
+        details["Original"] = cfg["origin_url"]
+    details["Weights"] = weights or (weights_source(name) if tag else (
+        "none published; see the family's documentation for initialising from other weights"))
+    details["Attention backends"] = (
+        f"attnzoo ops {', '.join(facts['ops'])}: the torch reference runs them on any device; "
+        "which other backends can (natten, cuda) is in attnzoo's README, and `attnzoo info "
+        f"{arch}` tries each on your machine" if facts["ops"] else
+        "none needed (no attnzoo op: plain PyTorch)")
+    if throughput:
+        details["Throughput"] = throughput
+    load = f"hf-hub:{repo_id}" if repo_id else name
+    usage = ("```python\nimport timm\nimport torch\n\n"
+             "import attnzoo  # registers attnzoo's models with timm: before create_model\n\n"
+             f"model = timm.create_model('{load}', pretrained={bool(repo_id or tag)}).eval()\n"
+             "data_config = timm.data.resolve_model_data_config(model)\n"
+             "transform = timm.data.create_transform(**data_config, is_training=False)\n"
+             "with torch.no_grad():\n"
+             "    logits = model(transform(image).unsqueeze(0))  # image: a PIL image\n```\n")
+    rows = ["| | ImageNet-1k top-1 | top-5 | source |", "|---|---|---|---|"]
+    if arch in PAPER_TOP1:
+        top1, where = PAPER_TOP1[arch]
+        rows.append(f"| paper | {top1} | | {where} |")
+    if evaluation:
+        rows.append(f"| measured | {evaluation['top1']:.2f} | {evaluation['top5']:.2f} | "
+                    f"`attnzoo publish --eval-dir` on {evaluation['images']} images |")
+    card: Dict[str, Any] = {
+        "tags": ["image-classification", "timm", "transformers", "attnzoo",
+                 *([f"arxiv:{paper_id.split(':')[-1]}"] if paper_id else [])],
+        "license": cfg.get("license") or "other",
+        "details": details,
+        "usage": usage,
+    }
+    if len(rows) > 2:
+        card["comparison"] = "\n".join(rows)
+    bibtex = _bibtex(arch, paper_id) if paper_id else None
+    if bibtex:
+        card["citation"] = bibtex
+    return card
+
+
+def readme(card: Mapping[str, Any], title: str) -> str:
+    """The Hub ``README.md`` of ``card``: timm's ``generate_readme`` (front matter with
+    ``library_name: timm``, license, tags with the paper's ``arxiv:`` id, datasets,
+    ``pipeline_tag: image-classification``)."""
+    from timm.models._hub import generate_readme
+    return generate_readme(dict(card), title)
+
+
+def model_cards_markdown(facts: Mapping[str, Any]) -> str:
+    """``MODEL_CARDS.md``: every registered model's card (:func:`readme` with its front matter
+    as a YAML block and headings one level down), from ``facts`` as
+    ``scripts/make_model_cards.py`` writes them (``models``: name -> ``gmacs``, ``ops``,
+    ``img_per_s``; ``throughput_setting``; ``measured_on``)."""
+    import timm
+    out = [
+        "# attnzoo model cards\n",
+        "Generated by `python scripts/make_model_cards.py` (`attnzoo.hub.model_cards_markdown`, "
+        "the generator of the Hub cards) from the figures in `scripts/model_card_facts.json`, "
+        f"measured on {facts['measured_on']}. GMACs count convolutions and matmuls, and each "
+        "attention op by its analytical formula (`attnzoo.profiling.count_macs`; neighborhood "
+        "attention as QK plus AV, B x heads x tokens x head_dim x kernel area each), as the "
+        "papers do; normalisation, activations and biases are not counted.\n",
+    ]
+    for name in list_models():
+        model = timm.create_model(name, device="meta")
+        model_facts = facts["models"][name]
+        throughput = (f"{model_facts['img_per_s']:.2f} img/s, {facts['throughput_setting']}"
+                      if model_facts.get("img_per_s") else "")
+        text = readme(model_card(model, model_facts, throughput=throughput), name)
+        _, front, body = text.split("---\n", 2)
+        body = re.sub(r"^# Model card for .*\n", "", body)
+        body = re.sub(r"^(#+) ", r"#\1 ", body, flags=re.M)
+        out.append(f"## {name}\n\nHub metadata:\n\n```yaml\n{front}```\n{body}")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# the Hub folder and the upload
+# ----------------------------------------------------------------------------------------------
+
+def check_repo_id(repo_id: str) -> str:
+    """``repo_id`` if it is ``ORG/NAME`` as the Hub accepts it, else ``ValueError``."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        if repo_id.count("/") != 1:
+            raise HFValidationError("it needs exactly one '/'")
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ValueError(f"--repo-id must be ORG/NAME (letters, digits, '-', '_', '.'; e.g. "
+                         f"{hub_repo('nat_mini.in1k')}), got {repo_id!r}: "
+                         f"{str(e).splitlines()[0]}") from None
+    return repo_id
+
+
+def check_out_dir(out: PathLike) -> Path:
+    """``out`` if it does not exist or is an empty folder, else ``ValueError``."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {os.fspath(out)!r} exists and is not an empty folder; give a new "
+                         "or empty one (nothing is overwritten)")
+    return out
+
+
+def _label_names(model: torch.nn.Module) -> Dict[str, Any]:
+    """ImageNet-1k's synsets and their descriptions (timm's own ImageNet info) for a 1000-class
+    ImageNet-1k tag; nothing for another head."""
+    tag = model.pretrained_cfg.get("tag") or ""
+    if model.num_classes != 1000 or "in1k" not in tag:
+        return {}
+    from timm.data import ImageNetInfo
+    info = ImageNetInfo()
+    names = info.label_names()
+    return {"label_names": list(names),
+            "label_descriptions": {n: info.label_name_to_description(n) for n in names}}
+
+
+def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, Any],
+                     title: str) -> Path:
+    """Write ``model`` as a timm Hub folder: timm's ``save_for_hf`` (``model.safetensors``,
+    ``config.json`` with ``architecture``, ``num_classes``, ``pretrained_cfg``, label names where
+    known) and ``README.md`` from ``card``.
+
+    ``config.json``'s ``model_args`` holds exactly the constructor arguments that differ from
+    the architecture's defaults (``in_chans`` where not 3), whatever timm version writes it:
+    never ``num_classes`` (its top-level value rules, and transformers' TimmWrapper passes it
+    separately). The source cfg's ``notes`` (how to obtain and convert the official weights)
+    are dropped: the folder holds them converted."""
+    from timm.models import save_for_hf
+    out = check_out_dir(out)
+    in_chans = _in_chans(model)
+    model_args = {"in_chans": in_chans} if in_chans != 3 else {}
+    save_for_hf(model, out, model_config=_label_names(model), model_args=model_args or None,
+                safe_serialization=True)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("model_args", None)
+    if model_args:
+        config["model_args"] = model_args
+    config["pretrained_cfg"].pop("notes", None)
+    config_path.write_text(json.dumps(config, indent=2))
+    (out / "README.md").write_text(readme(card, title), encoding="utf-8")
+    return out
+
+
+def _in_chans(model: torch.nn.Module) -> int:
+    first_conv = model.pretrained_cfg["first_conv"]
+    return model.get_submodule(first_conv).weight.shape[1]
+
+
+def check_reload(model: torch.nn.Module, folder: PathLike,
+                 want: Optional[torch.Tensor] = None) -> None:
+    """Reload ``folder`` with ``timm.create_model('local-dir:...', pretrained=True)`` and compare
+    its logits with ``model``'s (``want``: those :func:`check_finite` returned) on the same fixed
+    batch; ``ValueError`` unless they are identical."""
+    import timm
+    reloaded = timm.create_model(f"local-dir:{os.fspath(folder)}", pretrained=True).eval()
+    x = _check_input(model)
+    with torch.no_grad():
+        want = model(x) if want is None else want
+        got = reloaded(x)
+    if got.shape != want.shape:
+        raise ValueError(f"the reloaded folder gives logits of shape {tuple(got.shape)}, the "
+                         f"source {tuple(want.shape)}: nothing uploaded")
+    if not torch.equal(got, want):
+        raise ValueError(f"the reloaded folder's logits differ from the source's (max |diff| "
+                         f"{(got - want).abs().max().item():.3g}): nothing uploaded; the folder "
+                         f"is left in {os.fspath(folder)} to inspect")
+
+
+def check_token() -> None:
+    """``ValueError`` when huggingface_hub has no token (``HF_TOKEN`` or the saved login)."""
+    from huggingface_hub import get_token
+    if not get_token():
+        raise ValueError("no Hugging Face token: run `huggingface-cli login` or set HF_TOKEN "
+                         "(a token with write access to the repo's namespace)")
+
+
+def upload(folder: PathLike, repo_id: str, *, private: bool = False,
+           revision: Optional[str] = None, commit_message: str = "") -> str:
+    """Create ``repo_id`` (if needed) and upload ``folder`` to it with huggingface_hub (token:
+    ``HF_TOKEN`` or the saved login; progress bars from huggingface_hub); returns the URL of
+    what was uploaded. ``ValueError`` without a token."""
+    from huggingface_hub import HfApi
+    check_token()
+    api = HfApi(library_name="attnzoo", library_version=__version__)
+    url = api.create_repo(repo_id, private=private, exist_ok=True)
+    if revision:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    api.upload_folder(repo_id=repo_id, folder_path=os.fspath(folder), revision=revision,
+                      commit_message=commit_message or f"Add {repo_id} (attnzoo publish)")
+    return f"{url}/tree/{revision}" if revision else str(url)
+
+
+def publish_table() -> str:
+    """The README's table: every pretrained tag, its Hub repo in the project namespace, the
+    source checkpoint and the command a maintainer runs to publish it."""
+    import timm
+    rows = ["| tag | Hub repo | source checkpoint | command |", "|---|---|---|---|"]
+    for tag in list_models(pretrained=True):
+        cfg = timm.get_pretrained_cfg(tag)
+        arch = tag.split(".", 1)[0]
+        if cfg.hf_hub_id == hub_repo(tag):
+            source = f"the official {arch} checkpoint linked from {cfg.origin_url}"
+            repo = cfg.hf_hub_id
+        else:
+            source = f"`{cfg.hf_hub_filename}` of https://huggingface.co/{cfg.hf_hub_id}"
+            repo = f"{hub_repo(tag)} (copy; the tag loads {cfg.hf_hub_id})"
+        rows.append(f"| `{tag}` | {repo} | {source} | `attnzoo publish {tag} CHECKPOINT "
+                    f"--repo-id {hub_repo(tag)} --eval-dir IMAGENET_VAL` |")
+    return "\n".join(rows) + "\n"

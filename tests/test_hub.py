@@ -1,0 +1,396 @@
+"""The release pipeline (attnzoo/hub.py, `attnzoo publish` / `attnzoo info`), offline.
+
+Per family, a checkpoint in its official layout (written here from tests/checkpoint_layouts.py,
+random weights) goes through `attnzoo publish --dry-run`; the folder must then load through
+timm's `local-dir:`, through `hf-hub:ORG/NAME` from an offline Hugging Face cache and through the
+tag's own `pretrained=True`, each with the logits of the checkpoint converted directly. The
+upload runs the real huggingface_hub client, in subprocesses, against tests/hub_server.py.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import pytest
+import timm
+import torch
+import yaml
+from PIL import Image
+
+import attnzoo
+from attnzoo import cli, hub
+from checkpoint_layouts import (nat_to_official, nest, qna_official_manifest, san_to_official,
+                                san_training_checkpoint, write_flax_checkpoint)
+from hub_cache import offline_hf_cache, write_hf_cache
+from hub_server import HubServer
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTS = ROOT / "scripts" / "model_card_facts.json"
+
+
+def _random_state_dict(name: str, seed: int = 0, **kwargs) -> dict:
+    """Random weights for a registered model's state dict (built on the meta device: no init):
+    floats N(0, 0.02), BatchNorm running variances 1, integer buffers 0."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in timm.create_model(name, device="meta", **kwargs).state_dict().items():
+        if k.endswith("running_var"):
+            out[k] = torch.ones(v.shape)
+        elif v.is_floating_point():
+            out[k] = torch.randn(v.shape, generator=gen) * 0.02
+        else:
+            out[k] = torch.zeros(v.shape, dtype=v.dtype)
+    return out
+
+
+def _write_nat(path):
+    torch.save(nat_to_official(_random_state_dict("nat_mini")), path)
+
+
+def _write_qna(path):
+    manifest = qna_official_manifest(64, (2, 3, 2, 0), (0, 0, 4, 2), (8, 16, 32, 64),
+                                     (2, 4, 8, 16), (3,) * 4, (7, 7, 14, 7))
+    rng = np.random.default_rng(0)
+    write_flax_checkpoint(path, nest({p: rng.standard_normal(s).astype(np.float32) * 0.02
+                                      for p, s in manifest.items()}))
+
+
+def _write_san(path):
+    torch.save(san_training_checkpoint(san_to_official(_random_state_dict("san10_pairwise"))),
+               path)
+
+
+# tag -> (writer of its official checkpoint file, file name, input for the logits comparison)
+OFFICIAL = {
+    "nat_mini.in1k": (_write_nat, "nat_mini.pth", 64),
+    "qna_vit_tiny.in1k": (_write_qna, "checkpoint_375000", 64),
+    "san10_pairwise.in1k": (_write_san, "model_best.pth", 128),
+}
+
+
+def _logits(model, size, seed=1):
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.eval()(x)
+
+
+def _publish(capsys, *argv):
+    assert cli.main(["publish", *map(str, argv)]) == 0
+    return capsys.readouterr().out
+
+
+def _folder_files(folder: Path) -> dict:
+    return {p.name: p for p in folder.iterdir()}
+
+
+def _assert_state_dict(model, want: dict):
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("tag", OFFICIAL)
+def test_official_checkpoint_publishes_a_folder_that_loads_identically_everywhere(
+        tag, tmp_path, capsys):
+    """publish --dry-run (which itself reloads the folder through local-dir: and requires the
+    source's logits) -> the folder as an offline Hub cache -> hf-hub:ORG/NAME and the tag's
+    pretrained=True hold the directly converted weights and give identical logits; config.json
+    and README.md are timm's, with the card's facts."""
+    write, filename, size = OFFICIAL[tag]
+    checkpoint, out = tmp_path / filename, tmp_path / "out"
+    write(checkpoint)
+    repo_id = f"attnzoo-test/{tag}"
+    printed = _publish(capsys, tag, checkpoint, "--repo-id", repo_id, "--out", out, "--dry-run")
+    assert "--dry-run: nothing uploaded" in printed
+    assert f"reloaded timm.create_model('local-dir:{out}', pretrained=True): logits identical" \
+        in printed
+    assert set(_folder_files(out)) == {"README.md", "config.json", "model.safetensors"}
+    converted = hub.load_official(tag, checkpoint)
+
+    cache, home = tmp_path / "hf", hub.hub_repo(tag)
+    for repo in (repo_id, home):
+        write_hf_cache(cache, repo, _folder_files(out), missing=())
+    with offline_hf_cache(cache):
+        models = [timm.create_model(f"hf-hub:{repo_id}", pretrained=True)]
+        if timm.get_pretrained_cfg(tag).hf_hub_id == home:  # NAT's tags load the authors' repos
+            models.append(timm.create_model(tag, pretrained=True))
+    want = _logits(models[0], size)
+    for model in models:
+        _assert_state_dict(model, converted)
+        assert torch.equal(_logits(model, size), want)
+
+    arch = tag.split(".")[0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architecture"] == arch and config["num_classes"] == 1000
+    assert "num_classes" not in config.get("model_args", {})  # transformers passes it apart
+    assert len(config["label_names"]) == 1000 and config["label_names"][0] == "n01440764"
+    assert config["pretrained_cfg"]["tag"] == "in1k" and "notes" not in config["pretrained_cfg"]
+
+    text = (out / "README.md").read_text()
+    front = yaml.safe_load(text.split("---\n")[1])
+    cfg = models[0].pretrained_cfg
+    arxiv = cfg["paper_ids"].split(":")[1]
+    assert front["library_name"] == "timm" and front["license"] == cfg["license"] == "mit"
+    assert front["pipeline_tag"] == "image-classification"
+    assert front["datasets"] == ["imagenet-1k"]
+    assert {"timm", "attnzoo", f"arxiv:{arxiv}"} <= set(front["tags"])
+    assert f"# Model card for {tag}" in text
+    params = sum(p.numel() for p in models[0].parameters()) / 1e6
+    assert f"Params (M): {params:.2f}" in text and "at 224x224" in text
+    top1, where = hub.PAPER_TOP1[arch]
+    assert f"| paper | {top1} | | {where} |" in text
+    assert re.search(r"```bibtex\n@\w+\{", text) and f"abs/{arxiv}" in text
+    usage = text[text.index("## Model Usage"):]
+    assert usage.index("import attnzoo") < usage.index(f"timm.create_model('hf-hub:{repo_id}'")
+    assert filename in text and cfg["origin_url"] in text
+
+
+def _train_checkpoint(path, name, num_classes):
+    """What timm's train.py (CheckpointSaver) saves, with model EMA."""
+    torch.save({"epoch": 3, "arch": "visiontransformer",
+                "state_dict": _random_state_dict(name, seed=1, num_classes=num_classes),
+                "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3}]}, "version": 2,
+                "args": argparse.Namespace(model=name, num_classes=num_classes, lr=1e-3),
+                "metric": 12.5,
+                "state_dict_ema": _random_state_dict(name, seed=2, num_classes=num_classes)},
+               path)
+
+
+def _image_folder(root: Path):
+    """Two constant-colour 240x240 images per class: their eval transform is exact (a resize
+    and crop of a constant image is that constant), so the oracle below needs no resampling."""
+    colours = {"cls_a": [(255, 0, 0), (0, 0, 0)], "cls_b": [(0, 255, 0), (30, 60, 90)],
+               "cls_c": [(0, 0, 255), (200, 200, 200)]}
+    for label, cols in colours.items():
+        (root / label).mkdir(parents=True)
+        for i, c in enumerate(cols):
+            Image.new("RGB", (240, 240), c).save(root / label / f"{i}.png")
+    return [(c, i) for i, cols in enumerate(colours.values()) for c in cols]
+
+
+def test_train_checkpoint_publishes_the_weights_asked_for(tmp_path, capsys):
+    """A train.py checkpoint (10 classes, with EMA): its non-EMA weights by default, the EMA
+    ones with --use-ema; --eval-dir's top-1 equals a count of the model's own answers."""
+    name = "quest_vit_tiny_patch16_224"
+    checkpoint, out = tmp_path / "checkpoint-3.pth.tar", tmp_path / "out"
+    _train_checkpoint(checkpoint, name, num_classes=10)
+    saved = torch.load(checkpoint, weights_only=False)
+    model, source = hub.load_checkpoint_model(name, checkpoint)
+    assert source == ("state_dict (non-EMA weights) of checkpoint-3.pth.tar, epoch 3; it also "
+                      "holds state_dict_ema")
+    _assert_state_dict(model, saved["state_dict"])
+
+    images = _image_folder(tmp_path / "images")
+    printed = _publish(capsys, name, checkpoint, "--repo-id", "me/quest", "--out", out,
+                       "--dry-run", "--use-ema", "--eval-dir", tmp_path / "images",
+                       "--workers", "0")
+    assert "took state_dict_ema (EMA weights) of checkpoint-3.pth.tar, epoch 3" in printed
+    published = safetensors.torch.load_file(out / "model.safetensors")
+    assert published.keys() == saved["state_dict_ema"].keys()
+    assert all(torch.equal(published[k], v) for k, v in saved["state_dict_ema"].items())
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_classes"] == 10 and "label_names" not in config
+    assert "model_args" not in config  # nothing but the classes differs from the defaults
+    model.load_state_dict(saved["state_dict_ema"])
+    hub.check_reload(model, out)  # what publish did before writing "logits identical"
+    with torch.no_grad():
+        model.head.bias[0] += 1e-3
+    with pytest.raises(ValueError, match=r"logits differ from the source's .*nothing uploaded"):
+        hub.check_reload(model, out)
+
+    model.load_state_dict(saved["state_dict_ema"])
+    model.eval()
+    mean, std = (torch.tensor(model.pretrained_cfg[k]) for k in ("mean", "std"))
+    x = torch.stack([((torch.tensor(c, dtype=torch.float32) / 255 - mean) / std)[:, None, None]
+                     .expand(3, 224, 224) for c, _ in images])
+    with torch.no_grad():
+        hits = (model(x).argmax(-1) == torch.tensor([y for _, y in images])).sum().item()
+    top1 = 100 * hits / len(images)
+    assert f"top-1 {top1:.2f}%" in printed
+    assert f"| measured | {top1:.2f} |" in (out / "README.md").read_text()
+
+
+def _one_line_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["publish", *map(str, argv)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("attnzoo publish: error: ")
+    return err.strip().splitlines()[-1]
+
+
+def test_refusals_are_one_line_before_anything_is_written(tmp_path, capsys):
+    checkpoint = tmp_path / "nat_mini.pth"
+    _write_nat(checkpoint)
+    data = checkpoint.read_bytes()
+    out = tmp_path / "out"
+    base = ["--repo-id", "org/name", "--out", out, "--dry-run"]
+    line = _one_line_error(capsys, ["nat_tiny", checkpoint, *base])
+    assert "checkpoint does not match NAT" in line and "missing from the checkpoint" in line
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes(data[: len(data) // 2])
+    assert "corrupted or truncated" in _one_line_error(capsys, ["nat_mini", truncated, *base])
+    st = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(1000)}, st)
+    st.write_bytes(st.read_bytes()[:-100])
+    assert "corrupted or truncated" in _one_line_error(capsys, ["nat_mini", st, *base])
+    for repo_id in ("nat_mini", "a/b/c", "org/with space", "org/"):
+        line = _one_line_error(capsys, ["nat_mini", checkpoint, "--repo-id", repo_id, "--out",
+                                        out, "--dry-run"])
+        assert "--repo-id must be ORG/NAME" in line and repr(repo_id) in line
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    line = _one_line_error(capsys, ["nat_mini", checkpoint, *base])
+    assert "exists and is not an empty folder" in line
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert not (tmp_path / "name").exists()
+
+
+def test_upload_round_trip_through_a_hub_server(tmp_path):
+    """`attnzoo publish` (the real huggingface_hub client, in a subprocess) uploads to a Hub
+    server on 127.0.0.1: the files that arrive are the folder's bytes; then, in a fresh process
+    with an empty cache, the tag's pretrained=True and hf-hub: download them and hold the
+    published weights; without a token the private repo is one clear error."""
+    tag = "san10_pairwise.in1k"
+    repo_id = hub.hub_repo(tag)
+    checkpoint, out = tmp_path / "model_best.pth", tmp_path / "out"
+    _write_san(checkpoint)
+    with HubServer() as server:
+        publish = subprocess.run(
+            [sys.executable, "-m", "attnzoo.cli", "publish", tag, str(checkpoint), "--repo-id",
+             repo_id, "--out", str(out), "--private"],
+            env=server.client_env(tmp_path / "hf-up"), capture_output=True, text=True,
+            timeout=600)
+        assert publish.returncode == 0, publish.stderr
+        assert f"uploaded: {server.endpoint}/{repo_id}" in publish.stdout
+        arrived = server.files(repo_id)
+        assert arrived.pop(".gitattributes")
+        assert arrived == {p.name: p.read_bytes() for p in out.iterdir()}
+        assert server.repos[repo_id].private
+        script = (
+            "import os, sys, safetensors.torch, timm, torch\n"
+            "try:\n"
+            f"    timm.create_model('hf-hub:{repo_id}', pretrained=True)\n"
+            "except RuntimeError as e:\n"
+            "    print('WITHOUT ATTNZOO:', e)\n"
+            "import attnzoo\n"
+            "token = os.environ.pop('HF_TOKEN')\n"
+            "try:\n"
+            f"    timm.create_model('{tag}', pretrained=True)\n"
+            "except OSError as e:\n"
+            "    print('NO TOKEN:', e)\n"
+            "os.environ['HF_TOKEN'] = token\n"
+            "want = safetensors.torch.load_file(sys.argv[1])\n"
+            "x = torch.randn(1, 3, 128, 128)\n"
+            f"for name in ('{tag}', 'hf-hub:{repo_id}'):\n"
+            "    model = timm.create_model(name, pretrained=True).eval()\n"
+            "    got = model.state_dict()\n"
+            "    same = got.keys() == want.keys() and all(torch.equal(got[k], v)\n"
+            "                                             for k, v in want.items())\n"
+            "    with torch.no_grad():\n"
+            "        print(name, 'weights identical:', same, 'logits finite:',\n"
+            "              bool(torch.isfinite(model(x)).all()))\n")
+        reload = subprocess.run([sys.executable, "-c", script, str(out / "model.safetensors")],
+                                env=server.client_env(tmp_path / "hf-down"),
+                                capture_output=True, text=True, timeout=600)
+        assert reload.returncode == 0, reload.stderr
+    for name in (tag, f"hf-hub:{repo_id}"):
+        assert f"{name} weights identical: True logits finite: True" in reload.stdout
+    # timm alone knows no attnzoo architecture (its own message: the card says import attnzoo)
+    assert "WITHOUT ATTNZOO: Unknown model (san10_pairwise)" in reload.stdout
+    no_token = reload.stdout.split("NO TOKEN:", 1)[1].splitlines()[0]
+    assert f"Hub repo {repo_id}: not found" in no_token and "private" in no_token
+    assert "attnzoo convert san10_pairwise" in no_token
+    # LFS content went to the pre-signed storage URL and came back from it without credentials
+    cdn = [(method, sent_token) for method, path, sent_token in server.requests
+           if path.startswith("cdn:")]
+    assert ("PUT", False) in cdn and ("GET", False) in cdn and not any(t for _, t in cdn)
+
+
+def test_upload_to_a_branch_leaves_main_alone(tmp_path, monkeypatch):
+    """hub.upload's --revision path, in process against the same server (the client's
+    endpoint and Xet switch are read at import: set here as the subprocesses get them)."""
+    import huggingface_hub.constants as constants
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architecture": "nat_mini"}')
+    (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    with HubServer() as server:
+        for name, value in (("ENDPOINT", server.endpoint), ("HF_HUB_OFFLINE", False),
+                            ("HF_HUB_DISABLE_XET", True)):
+            monkeypatch.setattr(constants, name, value, raising=False)
+        monkeypatch.setenv("HF_TOKEN", server.token)
+        url = hub.upload(folder, "org/branchy", revision="v1")
+        assert url == f"{server.endpoint}/org/branchy/tree/v1"
+        assert server.files("org/branchy", "v1") == {
+            ".gitattributes": server.files("org/branchy")[".gitattributes"],
+            "config.json": (folder / "config.json").read_bytes(),
+            "model.safetensors": b"\0" * 64}
+        assert set(server.files("org/branchy")) == {".gitattributes"}
+        monkeypatch.delenv("HF_TOKEN")
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+        with pytest.raises(ValueError, match="no Hugging Face token"):
+            hub.upload(folder, "org/branchy")
+
+
+def test_pretrained_without_weights_is_one_clear_error_naming_the_repo(tmp_path):
+    with offline_hf_cache(tmp_path):
+        for tag in ("qna_vit_tiny.in1k", "san10_pairwise.in1k", "nat_mini.in1k"):
+            repo = timm.get_pretrained_cfg(tag).hf_hub_id
+            arch = tag.split(".")[0]
+            with pytest.raises(OSError, match=(
+                    rf"^{re.escape(tag)}: cannot load its weights from the Hugging Face Hub repo "
+                    rf"{re.escape(repo)}: offline: HF_HUB_OFFLINE is set .*attnzoo convert {arch} "
+                    rf"CHECKPOINT {arch}.safetensors.*pretrained_cfg_overlay=dict\(file=")):
+                timm.create_model(tag, pretrained=True, device="meta")
+
+
+def test_every_pretrained_tag_has_a_hub_home_in_the_project_namespace():
+    tags = attnzoo.list_models(pretrained=True)
+    assert {"qna_vit_tiny.in1k", "san19_patchwise.in1k", "nat_mini.in1k"} <= set(tags)
+    for tag in tags:
+        cfg = timm.get_pretrained_cfg(tag)
+        if tag.startswith(("qna_vit", "san")):
+            assert cfg.hf_hub_id == f"{hub.HUB_ORG}/{tag}" and cfg.hf_hub_filename is None
+        else:  # NAT / DiNAT: the authors' repos; the copies' home is in the table
+            assert cfg.hf_hub_id.startswith("shi-labs/")
+    table = hub.publish_table()
+    readme = (ROOT / "README.md").read_text()
+    assert table in readme, "README's publishing table is stale: python scripts/make_model_cards.py"
+    for tag in tags:
+        assert f"`attnzoo publish {tag} CHECKPOINT --repo-id {hub.hub_repo(tag)} " in table
+
+
+def test_model_cards_md_is_generated_from_the_facts_file():
+    facts = json.loads(FACTS.read_text())
+    assert sorted(facts["models"]) == attnzoo.list_models(), \
+        "scripts/model_card_facts.json is stale: python scripts/make_model_cards.py --measure"
+    assert (ROOT / "MODEL_CARDS.md").read_text() == hub.model_cards_markdown(facts), \
+        "MODEL_CARDS.md is stale: python scripts/make_model_cards.py"
+
+
+def test_cli_info_names_sources_and_backends_here(capsys):
+    assert cli.main(["info", "san10_pairwise.in1k"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("san10_pairwise: family san; paper: Exploring Self-attention")
+    assert "parameters: 10.53 M; GMACs at 224x224: 2.05" in out
+    assert "input sizes: any from 128x128 (default 224x224)" in out
+    assert f"san10_pairwise.in1k: Hub repo {hub.hub_repo('san10_pairwise.in1k')}" in out
+    assert "license mit" in out and "paper ImageNet-1k top-1: 74.9" in out
+    assert "  torch: runs it" in out and "  cuda: no: " in out
+    assert cli.main(["info", "quest_vit_tiny_patch16_224"]) == 0
+    out = capsys.readouterr().out
+    assert "pretrained tags: none" in out and "backends: none needed" in out
+
+
+def test_list_pretrained_names_every_family_with_weights(capsys):
+    assert cli.main(["list", "--pretrained"]) == 0
+    out = capsys.readouterr().out.split()
+    assert {"nat_mini.in1k", "dinat_large_384.in22k_ft_in1k", "qna_vit_base.in1k",
+            "san10_patchwise.in1k"} <= set(out)
