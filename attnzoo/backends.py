@@ -15,10 +15,15 @@ raises :class:`BackendUnsupportedError` naming the backends that can; it never f
 silently.
 
 An op registers once (:func:`register_op`): per backend its implementation and support check,
-``auto``'s order, the call-key type and its analytical MAC formula. Its public function validates
-the arguments, describes the call with a small hashable key (device type, dtype, options) and
-hands everything to :func:`dispatch`, which resolves the backend, lets profilers observe the call
-(:func:`observe_ops`) and runs the implementation.
+the call-key type, its analytical MAC formula, benchmark calls and small check cases. Its public
+function validates the arguments, describes the call with a small hashable key (device type,
+dtype, options) and hands everything to :func:`dispatch`, which resolves the backend, lets
+profilers observe the call (:func:`observe_ops`) and runs the implementation. ``auto``'s
+preference is one table for every op (:data:`AUTO_ORDER`).
+
+Every op's check cases (:func:`op_cases`) run on any backend against the float64 torch reference
+with :func:`check_case`: the tests run every registered op on every backend that supports each
+case, and ``attnzoo check`` does the same on the user's hardware.
 
 Under ``torch.compile`` the choice is a constant of the graph: the requested name is read from
 plain Python state (a ``threading.local`` and a module global, which Dynamo guards, so
@@ -34,15 +39,18 @@ import functools
 import logging
 import os
 import threading
+import warnings
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, NamedTuple
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 __all__ = [
-    "BACKENDS", "CONCRETE_BACKENDS", "ENV_VAR", "BackendUnsupportedError", "Backend", "set_backend", "get_backend",
-    "use_backend", "register_op", "registered_ops", "dispatch", "resolve", "available_backends",
-    "supported_backends", "observe_ops", "op_examples",
+    "BACKENDS", "CONCRETE_BACKENDS", "AUTO_ORDER", "ENV_VAR", "BackendUnsupportedError", "Backend",
+    "set_backend", "get_backend", "use_backend", "reset", "on_reset", "register_op",
+    "registered_ops", "dispatch", "resolve", "available_backends", "supported_backends",
+    "observe_ops", "op_examples", "Case", "CheckResult", "TOLERANCE", "case_inputs", "op_cases",
+    "case_support", "check_case",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -51,6 +59,13 @@ _logger = logging.getLogger(__name__)
 CONCRETE_BACKENDS: Tuple[str, ...] = ("torch", "natten", "cuda")
 BACKENDS: Tuple[str, ...] = CONCRETE_BACKENDS + ("auto",)
 ENV_VAR = "ATTNZOO_BACKEND"
+
+# auto's preference per device type of the call, fastest first; a backend that cannot run the
+# call (or that an op does not implement) is passed over, and the torch reference comes last.
+# On CUDA, attnzoo's fused kernels come first (they also take NAT's rpb, which NATTEN >= 0.20 does
+# not) where their backend trusts them (``Backend.trusted``: verified on the GPU's architecture). On CPU (and any device not listed) only the reference: NA's tiled reference is 10-40x
+# faster than NATTEN's unfused CPU path (scripts/bench_ops.py); the Triton interpreter is for tests.
+AUTO_ORDER: Dict[str, Tuple[str, ...]] = {"cuda": ("cuda", "natten", "torch"), "cpu": ("torch",)}
 
 
 class BackendUnsupportedError(ValueError):
@@ -82,17 +97,72 @@ def set_backend(name: Optional[str]) -> None:
     _process_backend = None if name is None else _check_name(name)
 
 
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[str]:
-    """Within the ``with`` block (in this thread), ops without an explicit ``backend=`` use
-    ``name``."""
-    name = _check_name(name)
-    previous = getattr(_context, "backend", None)
-    _context.backend = name
-    try:
-        yield name
-    finally:
-        _context.backend = previous
+class use_backend(contextlib.ContextDecorator):
+    """Ops without an explicit ``backend=`` use ``name`` inside a ``with`` block, or inside every
+    call of a function decorated with ``@use_backend(name)``; per thread, restored on exit.
+
+    ``name`` is checked here, when ``use_backend(name)`` is called, so an unknown one raises at
+    once. Called bare, without ``with`` or a decorated function, it does nothing, as any context
+    manager; so that this cannot pass unnoticed, a ``use_backend`` that is never entered warns
+    (``RuntimeWarning``, like a coroutine never awaited) when it is dropped.
+    :func:`set_backend` is the call that sets the backend for the whole process."""
+
+    _used = True  # until __init__ has checked the name: a rejected name raised, no warning
+
+    def __init__(self, name: str):
+        self.name = _check_name(name)
+        self._previous: List[Optional[str]] = []  # a stack: the same object may be re-entered
+        self._used = False
+
+    def __enter__(self) -> str:
+        self._used = True
+        self._previous.append(getattr(_context, "backend", None))
+        _context.backend = self.name
+        return self.name
+
+    def __exit__(self, *exc) -> None:
+        _context.backend = self._previous.pop()
+
+    def __call__(self, func):
+        self._used = True
+        return super().__call__(func)
+
+    def _recreate_cm(self) -> "use_backend":
+        return use_backend(self.name)  # a fresh one per decorated call: threads, recursion
+
+    def __repr__(self) -> str:
+        return f"use_backend({self.name!r})"
+
+    def __del__(self) -> None:
+        if not self._used:
+            warnings.warn(
+                f"attnzoo.use_backend({self.name!r}) was never entered, so it changed nothing: "
+                f"use `with attnzoo.use_backend({self.name!r}):` for a block (or decorate a "
+                f"function with it), attnzoo.set_backend({self.name!r}) for the whole process",
+                RuntimeWarning, stacklevel=2)
+
+
+def reset() -> None:
+    """Forget every backend request and cached choice: this thread's :func:`use_backend`, the
+    process default of :func:`set_backend` and the resolution cache (also what ops cached about
+    optional installs, such as NATTEN's API and Triton's version). The environment variable is
+    the user's and stays. For tests, which start each case from this state."""
+    global _process_backend
+    _context.backend = None
+    _process_backend = None
+    _resolve.cache_clear()
+    for clear in _install_caches:
+        clear()
+
+
+# cache_clear functions of what ops cached about optional installs (see on_reset)
+_install_caches: List[Callable[[], None]] = []
+
+
+def on_reset(*cache_clears: Callable[[], None]) -> None:
+    """Have :func:`reset` also call ``cache_clears``: an op's caches of what is installed (a
+    module probed once), so that a test that fakes an install sees it re-probed."""
+    _install_caches.extend(cache_clears)
 
 
 def _requested(explicit: Optional[str]) -> Optional[str]:
@@ -123,9 +193,12 @@ def _always(key: tuple) -> Optional[str]:
 
 
 class Backend(NamedTuple):
-    """One backend of an op: ``impl(*args)`` and ``support(key) -> None | reason``."""
+    """One backend of an op: ``impl(*args)`` and ``support(key) -> None | reason``;
+    ``trusted(key) -> None | reason`` is what ``auto`` asks on top (a kernel not yet verified
+    on the call's GPU is left to an explicit request)."""
     impl: Callable[..., Any]
     support: Callable[[tuple], Optional[str]] = _always
+    trusted: Callable[[tuple], Optional[str]] = _always
 
 
 # ``examples(device, dtype)`` -> [(label, run)], ``run(backend)`` calling the public op at a
@@ -133,21 +206,35 @@ class Backend(NamedTuple):
 Examples = Callable[[torch.device, torch.dtype], List[Tuple[str, Callable[[str], torch.Tensor]]]]
 
 
+class Case(NamedTuple):
+    """One small call of an op, to check a backend against the float64 torch reference.
+
+    ``call(*inputs, backend=name)`` calls the public op once; ``inputs`` are its tensors (all
+    differentiable, made by :func:`case_inputs`) in the dtype and on the device the case was
+    built for."""
+    label: str
+    inputs: Tuple[torch.Tensor, ...]
+    call: Callable[..., torch.Tensor]
+
+
+# ``cases(device, dtype)`` -> [Case]: small calls covering the op's options.
+Cases = Callable[[torch.device, torch.dtype], List[Case]]
+
+
 class _Op(NamedTuple):
     backends: Dict[str, Backend]
-    order: Callable[[tuple], Sequence[str]]
     key_type: Callable[..., tuple]
     macs: Callable[..., int]
     examples: Optional[Examples]
+    cases: Optional[Cases]
 
 
 _OPS: Dict[str, _Op] = {}
 
 
 def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..., int],
-                key_type: Callable[..., tuple] = tuple,
-                order: Optional[Callable[[tuple], Sequence[str]]] = None,
-                examples: Optional[Examples] = None) -> None:
+                key_type: Callable[..., tuple] = tuple, examples: Optional[Examples] = None,
+                cases: Optional[Cases] = None) -> None:
     """Register (or replace) op ``name``.
 
     Args:
@@ -155,13 +242,16 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
         macs: ``macs(*args) -> int``, the op's multiply-accumulates for the arguments its
             implementations take, counted the papers' way whatever a backend really computes
             (:func:`attnzoo.profiling.count_macs` uses it).
-        key_type: the call key's class (a NamedTuple); the key is rebuilt from a plain tuple
+        key_type: the call key's class, a NamedTuple whose ``device`` field (the device type)
+            picks ``auto``'s order in :data:`AUTO_ORDER`; the key is rebuilt from a plain tuple
             where torch.compile needs one.
-        order: ``order(key)`` lists the backends ``auto`` tries for that call, fastest first
-            (default: the order of ``backends``).
         examples: ``examples(device, dtype) -> [(label, run)]``: calls of the public op at the
             families' real shapes, ``run(backend)`` returning its output (inputs require grad);
             what ``scripts/bench_ops.py`` times.
+        cases: ``cases(device, dtype) -> [Case]``: small calls covering the op's options
+            (borders, odd sizes, every argument), which :func:`check_case` runs on any backend
+            against the float64 reference; the tests run them on every backend that supports
+            them, so a new backend of the op is tested by registering it.
     """
     unknown = set(backends) - set(CONCRETE_BACKENDS)
     if unknown:
@@ -169,8 +259,7 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
                          f"accepted: {', '.join(CONCRETE_BACKENDS)}")
     if "torch" not in backends:
         raise ValueError(f"op {name!r} must register the 'torch' reference backend")
-    _OPS[name] = _Op(dict(backends), order or (lambda key: tuple(backends)), key_type, macs,
-                     examples)
+    _OPS[name] = _Op(dict(backends), key_type, macs, examples, cases)
     _resolve.cache_clear()
 
 
@@ -206,8 +295,11 @@ def supported_backends(op: str, key: tuple) -> Tuple[str, ...]:
 def _resolve(op: str, key: tuple, requested: str) -> str:
     spec = _op(op)
     if requested == "auto":
-        for name in spec.order(key):
-            if spec.backends[name].support(key) is None:
+        device = getattr(key, "device", None)
+        device = torch.device(device).type if device is not None else None  # "cuda:1" -> cuda
+        for name in AUTO_ORDER.get(device, ("torch",)):
+            backend = spec.backends.get(name)
+            if backend and backend.support(key) is None and backend.trusted(key) is None:
                 _logger.debug("attnzoo: auto backend for %s%s -> %s", op, key, name)
                 return name
         reasons = "; ".join(f"{b}: {r}" for b, r in available_backends(op, key).items())
@@ -288,13 +380,107 @@ def observe_ops(observer: Callable[[str, str, int], ContextManager]) -> Iterator
 
 def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
     """Run ``op`` for call ``key`` on the backend the selection rules give; ``args`` (already
-    validated by the public op) go to the implementation unchanged."""
+    validated by the public op) go to the implementation unchanged.
+
+    A call with an empty tensor (a batch of 0) is still resolved, so an unsupported request
+    raises as for any other size, but the torch reference computes it: its result is empty
+    (or a reduction over nothing), and kernels may refuse empty launches (NATTEN does)."""
     spec = _OPS[op]
     name = resolve(op, key, backend, args)
-    impl = spec.backends[name].impl
+    empty = any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
+    impl = spec.backends["torch" if empty else name].impl
     if not _observers:
         return impl(*args)
     with contextlib.ExitStack() as stack:
         for observer in _observers:
             stack.enter_context(observer(op, name, spec.macs(*args)))
         return impl(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# checking a backend against the reference
+# ---------------------------------------------------------------------------------------------
+
+# The largest error a backend computing in each dtype may show on the registered cases: max
+# |got - ref| relative to max(1, max |ref|), for the output and each input's gradient (relative:
+# the gradients of bias tables are sums over every query). From the errors of the torch reference
+# and the Triton kernels on those cases (tests/test_ops_registry.py), with margin.
+TOLERANCE: Dict[torch.dtype, float] = {
+    torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 8e-2}
+
+
+class CheckResult(NamedTuple):
+    """Errors of a backend on a :class:`Case`, measured as :data:`TOLERANCE` says."""
+    forward: float
+    backward: Optional[float]  # the largest over the inputs' gradients; None: not checked
+
+
+def case_inputs(shapes: Sequence[Sequence[int]], device: torch.device, dtype: torch.dtype,
+                seed: int = 0) -> Tuple[torch.Tensor, ...]:
+    """Standard-normal tensors of ``shapes`` for a :class:`Case`, drawn in float64 on the CPU from
+    ``seed`` (the same values on every device), then rounded to ``dtype`` on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(tuple(shape), generator=g, dtype=torch.float64).to(device, dtype)
+                 for shape in shapes)
+
+
+def op_cases(op: str, device: Union[str, torch.device], dtype: torch.dtype) -> List[Case]:
+    """The registered check cases of ``op`` for ``device`` and ``dtype`` (empty if none)."""
+    cases = _op(op).cases
+    return list(cases(torch.device(device), dtype)) if cases is not None else []
+
+
+class _Chosen(Exception):
+    """Stops a dry run once dispatch has chosen a backend."""
+
+
+def _stop(op: str, backend: str, macs: int) -> ContextManager:
+    raise _Chosen
+
+
+def case_support(case: Case, backend: str, backward: bool = True) -> Optional[str]:
+    """``None`` if ``backend`` can run ``case`` (its backward too, with ``backward``), else why
+    not: the op's own answer, from a dry run of the call that stops once dispatch has chosen
+    the backend (no computation)."""
+    leaves = [t.detach().requires_grad_(backward) for t in case.inputs]
+    try:
+        with torch.set_grad_enabled(backward), observe_ops(_stop):
+            case.call(*leaves, backend=backend)
+    except _Chosen:
+        return None
+    except BackendUnsupportedError as e:
+        return str(e)
+    raise RuntimeError(f"check case {case.label!r} returned without dispatching an op")
+
+
+def _run_case(case: Case, inputs: Sequence[torch.Tensor], backend: str, backward: bool,
+              weight_dtype: torch.dtype) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+    leaves = [t.detach().requires_grad_(backward) for t in inputs]
+    with torch.set_grad_enabled(backward):
+        out = case.call(*leaves, backend=backend)
+    if not backward:
+        return out, ()
+    # the gradients of a fixed random weighting of the output; the weights are rounded to the
+    # checked dtype, so that the backend and the float64 reference see the same ones
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(out.shape, generator=g, dtype=torch.float64).to(weight_dtype)
+    return out, torch.autograd.grad(out, leaves, weight.to(out))
+
+
+def _error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    ref = ref.detach()
+    return float((got.detach().to(ref) - ref).abs().max()) / max(1.0, float(ref.abs().max()))
+
+
+def check_case(case: Case, backend: str, backward: bool = True) -> CheckResult:
+    """Run ``case`` on ``backend`` and on the torch reference in float64 (on the same values:
+    the case's inputs, rounded to its dtype), the output and, with ``backward``, the gradients
+    of every input; return the largest errors (see :data:`TOLERANCE`). A backend that cannot
+    run the case raises :class:`BackendUnsupportedError` (:func:`case_support` tells first)."""
+    dtype = case.inputs[0].dtype
+    out, grads = _run_case(case, case.inputs, backend, backward, dtype)
+    ref, ref_grads = _run_case(case, [t.to(torch.float64) for t in case.inputs], "torch",
+                               backward, dtype)
+    return CheckResult(_error(out, ref), max(map(_error, grads, ref_grads)) if backward else None)

@@ -6,31 +6,46 @@
 ``attnzoo convert MODEL CKPT OUT``      an official checkpoint -> safetensors timm loads
 ``attnzoo publish MODEL[.TAG] CKPT --repo-id ORG/NAME``  a checkpoint -> a checked Hub repo
 ``attnzoo timm SCRIPT.py [ARGS...]``    run one of timm's scripts with attnzoo's models registered
+``attnzoo check``                       every op on every backend here against the float64 reference
 
 Also ``python -m attnzoo ...``, which works as one process of a torchrun launch, from a timm clone
 too: ``torchrun --nproc_per_node=N -m attnzoo timm train.py --config ...`` (README "Train").
 
-A user's mistake (unknown model or backend, a size <= 0, a checkpoint that does not match) is
-reported in one line, argparse-style, with exit status 2 and no traceback.
+A user's mistake (unknown model or backend, a size <= 0, a checkpoint that does not match, a
+file that cannot be read or written, a package a timm script needs) is reported in one line,
+``attnzoo COMMAND: error: ...``, with exit status 2 and no traceback: every command's
+``ValueError``, ``OSError`` and ``ImportError`` go through :func:`main`'s one error path (the
+scripts ``attnzoo timm`` runs keep their own tracebacks). When the reader of the output goes
+away (``attnzoo list | head -1``), the command stops quietly with status 141, as a Unix tool
+killed by SIGPIPE does; Ctrl-C stops it with status 130. ``--help`` of every command lists its
+choices and defaults.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import difflib
+import itertools
+import importlib.util
 import os
 import runpy
+import signal
 import statistics
 import sys
+import textwrap
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from . import __version__, backends, hub
+from .check import check_backend, severity
 from .models import list_models, model_family
 from .profiling import count_macs, count_params, first_line, model_step, time_steps
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CHECK_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # bench's rows: what auto picks, then every backend that runs ops
 _BENCH_BACKENDS = ("auto",) + backends.CONCRETE_BACKENDS
 
@@ -46,6 +61,19 @@ def _int_at_least(minimum: int):
         return value
     parse.__name__ = f"int >= {minimum}"
     return parse
+
+
+def _key_value(text: str):
+    """``KEY=VALUE`` -> ``(KEY, VALUE)``, the value a Python literal where it parses as one
+    (``img_size=96``, ``dynamic_img_size=True``), else the string (``padding_mode=zeros``), as
+    timm's ``--model-kwargs``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def _backend_list(text: str) -> List[str]:
@@ -69,11 +97,26 @@ def _check_model(parser: argparse.ArgumentParser, name: str) -> None:
     parser.error(f"unknown model {name!r}{hint}")
 
 
+def _check_device(parser: argparse.ArgumentParser, device: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
+    return torch.device(device)
+
+
+def _families() -> List[str]:
+    return sorted({model_family(name) for name in list_models()})
+
+
 def _cmd_list(args, parser) -> int:
-    try:
-        names = list_models(args.filter, pretrained=args.pretrained, family=args.family)
-    except ValueError as e:
-        parser.error(str(e))
+    names = list_models(args.filter, pretrained=args.pretrained, family=args.family)
+    if not names:
+        what = "pretrained tag" if args.pretrained else "model"
+        family = f" of family {args.family}" if args.family else ""
+        close = difflib.get_close_matches(args.filter, list_models(pretrained=args.pretrained),
+                                          n=4, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else (
+            f"`attnzoo list{' --pretrained' if args.pretrained else ''}` names them all")
+        parser.error(f"no attnzoo {what}{family} matches {args.filter!r}; {hint}")
     for name in names:
         print(name)
     return 0
@@ -97,16 +140,21 @@ def _cmd_bench(args, parser) -> int:
     import timm
 
     _check_model(parser, args.model)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available here")
+    device = _check_device(parser, args.device)
     dtype = _DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
+    kwargs = dict(args.model_kwargs)
     try:
-        model = timm.create_model(args.model, pretrained=False).to(device=device, dtype=dtype)
+        model = timm.create_model(args.model, pretrained=False, **kwargs)
+        if args.img_size and "img_size" not in kwargs and model.pretrained_cfg.get(
+                "fixed_input_size") and args.img_size != model.pretrained_cfg["input_size"][-1]:
+            # a fixed-size model (a ViT) is built for the size asked, as its own error advises
+            model = timm.create_model(args.model, pretrained=False, img_size=args.img_size,
+                                      **kwargs)
     except (TypeError, ValueError) as e:
-        parser.error(f"cannot build {args.model}: {e}")
+        parser.error(f"cannot build {args.model}: {_one_line(e)}")
+    model = model.to(device=device, dtype=dtype)
     model.train(args.backward)
     size = args.img_size or model.pretrained_cfg["input_size"][-1]
     x = torch.randn(args.batch_size, 3, size, size, device=device, dtype=dtype)
@@ -150,9 +198,10 @@ def _one_line(e: BaseException) -> str:
 
 def _cmd_convert(args, parser) -> int:
     _check_model(parser, args.model)
+    hub.check_output_path(args.out)  # before the conversion, which may take a while
     try:
         state_dict = hub.load_official(args.model, args.checkpoint)
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (ValueError, OSError, ImportError) as e:
         parser.error(f"{args.checkpoint}: {_one_line(e)}")
     hub.save_converted(state_dict, args.out)
     print(f"wrote {args.out} ({len(state_dict)} tensors). Load it with timm.create_model("
@@ -187,9 +236,10 @@ def _cmd_info(args, parser) -> int:
     if not facts["ops"]:
         print("backends: none needed (no attnzoo op)")
         return 0
-    print(f"attnzoo ops: {', '.join(facts['ops'])}; backends here (a forward on {args.device}):",
+    device = _check_device(parser, args.device)
+    print(f"attnzoo ops: {', '.join(facts['ops'])}; backends here (a forward on {device}):",
           flush=True)
-    model = timm.create_model(arch).eval().to(args.device)
+    model = timm.create_model(arch).eval().to(device)
     for name, reason in hub.backends_here(model).items():
         print(f"  {name}: {'runs it' if reason is None else 'no: ' + reason}", flush=True)
     return 0
@@ -222,7 +272,7 @@ def _cmd_publish(args, parser) -> int:
                    f"converted and checked by `attnzoo publish` (attnzoo {__version__})")
         card = hub.model_card(model, hub.measure_facts(model), repo_id=repo_id, weights=weights,
                               evaluation=evaluation)
-        hub.write_hub_folder(model, out, card, name)
+        hub.write_hub_folder(model, out, card, name, (evaluation or {}).get("classes"))
         print(f"[3/{steps}] wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}",
               flush=True)
         hub.check_reload(model, out, logits)
@@ -245,6 +295,77 @@ def _cmd_publish(args, parser) -> int:
     return 0
 
 
+def _cmd_check(args, parser) -> int:
+    device = _check_device(parser, args.device)
+    choice = args.dtype or ("all" if device.type == "cuda" else "fp32")
+    dtypes = list(_CHECK_DTYPES) if choice == "all" else [choice]
+    ops, names = backends.registered_ops(), args.backend or backends.CONCRETE_BACKENDS
+    print(f"attnzoo check: {len(ops)} ops x {', '.join(names)} on {device}, "
+          f"{', '.join(dtypes)}: each op's check cases, the output and every input's gradient "
+          "against the float64 torch reference (error: max |got - ref| / max(1, max |ref|))")
+    print(f"{'op':<17}{'backend':<8}{'dtype':<6}{'cases':<14}{'forward':>9}{'backward':>10}"
+          f"{'tolerance':>11}{'time':>9}  result", flush=True)
+    reasons: List[str] = []  # why cases did not run: the notes under the table
+    rows = []
+    with warnings.catch_warnings():
+        # NATTEN's CPU path runs flex_attention uncompiled, which warns about speed on every run
+        warnings.filterwarnings("ignore", module=r"torch\.nn\.attention\.flex_attention")
+        for op, name, dtype in itertools.product(ops, names, dtypes):
+            print(f"{op:<17}{name:<8}{dtype:<6}", end="", flush=True)
+            row = check_backend(op, name, device, _CHECK_DTYPES[dtype])
+            rows.append((dtype, row))
+            print(_check_row(row, reasons), flush=True)
+    for i, reason in enumerate(reasons):
+        print(f"[{i + 1}] {reason}")
+    for dtype in dtypes:
+        ran = [row for d, row in rows if d == dtype]
+        worst = [max(ran, key=lambda r: severity(getattr(r, kind))) for kind in ("forward",
+                                                                                   "backward")]
+        print(f"{dtype}: worst error forward {_worst_text(worst[0], 'forward')}, backward "
+              f"{_worst_text(worst[1], 'backward')}; tolerance {ran[0].tolerance:.0e}")
+    failed = [f"{row.op}/{row.backend}/{dtype} {label!r}"
+              for dtype, row in rows for label, _ in row.failures]
+    if failed:
+        print(f"FAILED: {len(failed)} case(s) above tolerance or in error: {', '.join(failed)}")
+        return 1
+    checked = sum(len(row.checked) + len(row.forward_only) for _, row in rows)
+    print(f"ok: {checked} case(s) checked, every error within tolerance" if checked else
+          "ok, but no case ran here: the notes above say why")
+    return 0
+
+
+def _check_row(row, reasons: List[str]) -> str:
+    """A row of `attnzoo check`'s table after the op, backend and dtype; the reasons for cases
+    that did not run are added to ``reasons`` and referred to by number."""
+    notes = []
+    for reason in row.not_run:
+        if reason not in reasons:
+            reasons.append(reason)
+        notes.append(f"[{reasons.index(reason) + 1}]")
+    ran = len(row.checked) + len(row.forward_only)
+    cases = f"{ran}/{row.cases}" + (" fwd only" if row.forward_only and not row.checked else "")
+    result = "FAIL" if row.failures else "ok" if ran else "not run"
+    if notes:
+        result += f"; {row.cases - ran} not run " if ran else " "
+        result += " ".join(notes)
+    failures = "".join(f"\n    {label}: {what}" for label, what in row.failures)
+    return (f"{cases:<14}{_error_text(row.forward):>9}{_error_text(row.backward):>10}"
+            f"{row.tolerance:>11.0e}{row.seconds:>7.1f} s  {result}{failures}")
+
+
+def _error_text(error: Optional[float]) -> str:
+    return "-" if error is None else f"{error:.1e}"
+
+
+def _worst_text(row, kind: str) -> str:
+    error = getattr(row, kind)
+    return "-" if error is None else f"{error:.1e} ({row.op} on {row.backend})"
+
+
+# import name -> pip package, where they differ (what timm's scripts import)
+_PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
+
+
 def _cmd_timm(args, parser) -> int:
     """Run a timm script as ``__main__`` with attnzoo's models registered. The installed timm
     (already imported with attnzoo) serves the script even inside a timm clone, whose folder
@@ -258,6 +379,12 @@ def _cmd_timm(args, parser) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the script's own imports
     try:
         runpy.run_path(script, run_name="__main__")
+    except ModuleNotFoundError as e:  # a package the script needs (inference.py: pandas)
+        top = (e.name or "").split(".")[0]
+        if not top or importlib.util.find_spec(top) is not None:
+            raise  # not a missing install: the script's own error
+        parser.error(f"{os.path.basename(script)} needs the module {top!r}, which is not "
+                     f"installed here: pip install {_PIP_NAMES.get(top, top)}")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
@@ -268,79 +395,193 @@ def _cmd_timm(args, parser) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """argparse with every error on one line, ``attnzoo COMMAND: error: ...`` (``--help`` shows
+    the usage), exit status 2."""
 
-    p = sub.add_parser("list", help="list attnzoo models registered with timm")
-    p.add_argument("filter", nargs="?", default="", help="wildcard, e.g. 'dinat_*'")
-    p.add_argument("--pretrained", action="store_true", help="list pretrained tags")
-    p.add_argument("--family", default="", help="nat, qna_vit, san or quest_vit")
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+
+
+def _has_default(action: argparse.Action) -> bool:
+    """Whether ``--help`` shows ``action``'s default: not for flags and empty defaults (their
+    help says what leaving them out does)."""
+    default = action.default
+    return not (default is None or default is False or default == "" or default == []
+                or default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction))
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in ``--help`` (as argparse's ArgumentDefaultsHelpFormatter, less
+    the empty ones), and epilogs kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if _has_default(action) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _convert_epilog() -> str:
+    by_family: Dict[str, List[str]] = {}
+    for name in list_models():
+        by_family.setdefault(model_family(name), []).append(name)
+    models = "\n".join(textwrap.fill(f"{family}: {', '.join(names)}", 79, initial_indent="  ",
+                                      subsequent_indent="    ")
+                       for family, names in by_family.items())
+    formats = ", ".join(hub.CONVERTED_FORMATS)
+    return (f"models:\n{models}\n\n" + textwrap.fill(
+        "checkpoints read: torch files (.pth, .pth.tar, .pt, .bin; loaded with weights_only=True, "
+        "no code from the file runs) and .safetensors, in the family's official layout "
+        "(NAT/DiNAT: the original repository's or the shi-labs transformers repos'; SAN: "
+        "tool/train.py's; QUEST-ViT: timm's or DeiT's ViT) or attnzoo's; QnA-ViT's Flax "
+        "checkpoint_N files (pip install \"attnzoo[convert]\").", 79) + "\n\n" + textwrap.fill(
+        f"output formats, by OUT's extension: {formats} (torch.save); both load with "
+        "timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=OUT)).", 79))
+
+
+def _check_epilog() -> str:
+    tolerances = ", ".join(f"{name} {backends.TOLERANCE[dtype]:.0e}"
+                           for name, dtype in _CHECK_DTYPES.items())
+    return textwrap.fill(
+        "Run it after installing attnzoo on a new GPU (or a new driver, torch, Triton or NATTEN), "
+        "and before reporting a numerical bug. Each row is one op on one backend in one dtype: "
+        "how many of the op's check cases the backend runs here (the others say why not, in "
+        "the notes under the table), the worst errors of the output and of the inputs' "
+        "gradients, and the time of the check (backend and reference). Tolerances: "
+        f"{tolerances}. Without a GPU, the cuda backend's Triton kernels run under Triton's "
+        "interpreter with TRITON_INTERPRET=1 set (slow: --backend cuda --dtype fp32).", 79)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="attnzoo", description="attnzoo: local and robust attention vision "
+                                                 "models for timm (`attnzoo COMMAND --help`)")
+    parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help,
+                              formatter_class=_HelpFormatter, **kwargs)
+
+    p = command("list", "list attnzoo models registered with timm")
+    p.add_argument("filter", nargs="?", default="", help="wildcard, e.g. 'dinat_*' (default: all)")
+    p.add_argument("--pretrained", action="store_true",
+                   help="list pretrained tags (default: model names)")
+    p.add_argument("--family", default="", choices=_families(),
+                   help="only this family (default: all)")
     p.set_defaults(func=_cmd_list, parser=p)
 
-    p = sub.add_parser("bench", help="params, GMACs and throughput per backend (random input)")
-    p.add_argument("model", nargs="?", default="nat_tiny")
-    p.add_argument("--batch-size", type=_int_at_least(1), default=8)
+    p = command("bench", "params, GMACs and throughput per backend (random input)")
+    p.add_argument("model", nargs="?", default="nat_tiny", help="any timm model or tag")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=8, help="images per step")
     p.add_argument("--img-size", type=_int_at_least(1), default=None,
-                   help="default: the model's input size")
+                   help="input side (default: the model's); a fixed-size model (QUEST-ViT, "
+                        "timm's ViTs) is built for it")
+    p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
+                   help="create_model arguments, e.g. padding_mode=zeros dynamic_img_size=True "
+                        "(default: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
-    p.add_argument("--backends", type=_backend_list, default=list(_BENCH_BACKENDS),
-                   help=f"comma-separated backends to time, of {', '.join(backends.BACKENDS)} "
-                        f"(default: {','.join(_BENCH_BACKENDS)})")
-    p.add_argument("--steps", type=_int_at_least(1), default=5)
-    p.add_argument("--warmup", type=_int_at_least(0), default=1)
+                   choices=["cpu", "cuda"], help="where to run")
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model and input")
+    p.add_argument("--backends", type=_backend_list, default=",".join(_BENCH_BACKENDS),
+                   help=f"comma-separated backends to time, of {', '.join(backends.BACKENDS)}")
+    p.add_argument("--steps", type=_int_at_least(1), default=5, help="timed steps")
+    p.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed steps first")
     p.add_argument("--threads", type=_int_at_least(0), default=0,
                    help="CPU threads (0: torch's default)")
-    p.add_argument("--backward", action="store_true", help="time forward+backward")
+    p.add_argument("--backward", action="store_true",
+                   help="time forward+backward (default: inference)")
     p.set_defaults(func=_cmd_bench, parser=p)
 
-    p = sub.add_parser("convert", help="convert an official checkpoint to safetensors for timm")
-    p.add_argument("model", help="the attnzoo model the checkpoint belongs to")
-    p.add_argument("checkpoint", help="the official checkpoint file")
-    p.add_argument("out", help="output .safetensors path")
+    p = command("convert", "convert an official checkpoint to a file timm loads",
+                epilog=_convert_epilog())
+    p.add_argument("model", metavar="MODEL", help="the attnzoo model the checkpoint belongs to")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="the official checkpoint file")
+    p.add_argument("out", metavar="OUT",
+                   help=f"output file: {', '.join(hub.CONVERTED_FORMATS)}; its folder must exist")
     p.set_defaults(func=_cmd_convert, parser=p)
 
-    p = sub.add_parser("info", help="a model's family, paper, config, cost, input sizes, "
-                                    "pretrained weights and the backends that run it here")
+    p = command("info", "a model's family, paper, config, cost, input sizes, pretrained weights "
+                        "and the backends that run it here")
     p.add_argument("model", help="an attnzoo model or pretrained tag, e.g. nat_mini.in1k")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cpu", "cuda"], help="where to try the backends")
     p.set_defaults(func=_cmd_info, parser=p)
 
-    p = sub.add_parser("publish", help="convert a checkpoint, check it and publish it as a "
-                                       "timm repo on the Hugging Face Hub")
+    p = command("publish", "convert a checkpoint, check it and publish it as a timm repo on the "
+                           "Hugging Face Hub")
     p.add_argument("model", help="the attnzoo model or tag the checkpoint belongs to")
     p.add_argument("checkpoint", help="an official checkpoint (any layout `convert` reads), a "
                                       "timm train.py checkpoint or a safetensors file")
     p.add_argument("--repo-id", required=True, help="the Hub repo, ORG/NAME")
-    p.add_argument("--out", default=None, help="folder to write (new or empty; default ./NAME)")
-    p.add_argument("--dry-run", action="store_true", help="write and check the folder, upload "
-                                                          "nothing")
+    p.add_argument("--out", default=None, help="folder to write, new or empty (default: ./NAME)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write and check the folder, upload nothing (default: upload)")
     p.add_argument("--use-ema", action="store_true",
                    help="take a train.py checkpoint's state_dict_ema (default: its state_dict)")
     p.add_argument("--eval-dir", default=None,
-                   help="an ImageFolder (e.g. ImageNet val) to measure top-1/top-5 on")
+                   help="an ImageFolder (e.g. ImageNet val) to measure top-1/top-5 on; its class "
+                        "folders also name the classes of a non-ImageNet head they all cover "
+                        "(default: none)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=32, help="for --eval-dir")
     p.add_argument("--workers", type=_int_at_least(0), default=4, help="for --eval-dir")
-    p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--revision", default=None, help="branch to upload to (created if needed)")
+    p.add_argument("--private", action="store_true",
+                   help="create the repo private (default: public)")
+    p.add_argument("--revision", default=None,
+                   help="branch to upload to, created if needed (default: main)")
     p.set_defaults(func=_cmd_publish, parser=p)
 
-    p = sub.add_parser("timm", help="run a timm script (train.py, validate.py, benchmark.py, "
-                                    "inference.py) with attnzoo's models registered")
+    p = command("check", "every op on every backend here against the float64 torch "
+                         "reference (exit 1 if an error is above tolerance)",
+                epilog=_check_epilog())
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=["cpu", "cuda"], help="where to run the backends")
+    p.add_argument("--dtype", default=None, choices=[*_CHECK_DTYPES, "all"],
+                   help="dtype of the backends' inputs (default: all on cuda, fp32 on cpu)")
+    p.add_argument("--backend", nargs="+", default=None, choices=backends.CONCRETE_BACKENDS,
+                   metavar="NAME",
+                   help=f"backends to check, of {', '.join(backends.CONCRETE_BACKENDS)} "
+                        "(default: all)")
+    p.set_defaults(func=_cmd_check, parser=p)
+
+    p = command("timm", "run a timm script (train.py, validate.py, benchmark.py, inference.py) "
+                        "with attnzoo's models registered")
     p.add_argument("script", help="path of the script, e.g. pytorch-image-models/validate.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     p.set_defaults(func=_cmd_timm, parser=p)
     return parser
 
 
+# What a command raises for a user's mistake or a file it cannot read or write; main reports
+# them in one line. (BrokenPipeError, an OSError, is handled before them.)
+_USER_ERRORS = (ValueError, OSError, ImportError)
+
+
+def _reader_gone() -> int:
+    """stdout's reader has gone (``attnzoo list | head -1``): stop quietly with the status of a
+    Unix tool killed by SIGPIPE. stdout goes to /dev/null first, so that the interpreter's
+    last flush at exit does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + getattr(signal, "SIGPIPE", 13)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args, args.parser)
+    try:
+        status = args.func(args, args.parser)
+        sys.stdout.flush()  # a closed pipe shows here rather than at exit
+    except BrokenPipeError:
+        return _reader_gone()
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except _USER_ERRORS as e:
+        if args.command == "timm":
+            raise  # the script's own error: its traceback is the user's to read
+        args.parser.error(_one_line(e))
+    return status
 
 
 if __name__ == "__main__":

@@ -32,22 +32,25 @@ import copy
 import importlib
 import json
 import os
+import pickle
 import re
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import __version__, backends
 from .models import list_models, model_family
-from .models._helpers import HUB_ORG, hub_repo
+from .models._helpers import HUB_ORG, checkpoint_kind, hub_repo
 from .profiling import count_macs, count_params
 
-__all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "read_checkpoint", "load_official",
-           "save_converted", "load_checkpoint_model", "check_finite", "evaluate",
-           "measure_facts", "backends_here", "config_line", "input_sizes", "weights_source",
-           "model_card", "readme", "model_cards_markdown", "publish_table", "check_repo_id",
-           "check_out_dir", "write_hub_folder", "check_reload", "check_token", "upload"]
+__all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "TRANSFORMERS_WITHOUT_ATTNZOO", "read_checkpoint",
+           "load_official", "CONVERTED_FORMATS", "check_output_path", "save_converted",
+           "load_checkpoint_model", "check_finite", "evaluate", "measure_facts", "backends_here",
+           "config_line", "input_sizes", "weights_source", "class_names", "model_card",
+           "transformers_usage", "readme", "model_cards_markdown", "publish_table",
+           "check_repo_id", "check_out_dir", "write_hub_folder", "check_reload", "check_token",
+           "upload"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -77,6 +80,11 @@ PAPER_TOP1: Dict[str, Tuple[float, str]] = {
         ("quest_deit3_huge_patch14_224", 83.4, "DeiT-3, 400+20 epochs"))},
 }
 
+# What transformers (4.57 to 5.24, measured) raises when timm does not know the architecture:
+# `import attnzoo` was left out.
+TRANSFORMERS_WITHOUT_ATTNZOO = ("ImportError: The model architecture '{arch}' is not supported "
+                                "in your version of timm")
+
 # timm train.py's checkpoint (CheckpointSaver): the model's and the EMA model's state dicts.
 _TRAIN_KEYS = ("state_dict", "state_dict_ema")
 
@@ -92,28 +100,31 @@ def read_checkpoint(path: PathLike) -> Dict[str, Any]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    kind = "safetensors" if path.endswith(".safetensors") else checkpoint_kind(path)
+    if kind is None:
+        raise ValueError(f"{path!r} is not a torch or safetensors checkpoint: its first bytes are "
+                         "neither a torch.save file's (a zip archive or a pickle) nor a "
+                         "safetensors header")
     try:
-        if path.endswith(".safetensors") or _file_kind(path) == "safetensors":
+        if kind == "safetensors":
             import safetensors.torch
             return safetensors.torch.load_file(path, device="cpu")
         torch.serialization.add_safe_globals([argparse.Namespace])
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message advises weights_only=False over several lines; keep only the cause
+        text = " ".join(str(e).split())
+        cause = re.search(r"WeightsUnpickler error: *(.*?)(\. |$)", text)
+        cause = cause.group(1) if cause else text.split(". ")[0]
+        hint = ("; it holds Python objects besides tensors: if you trust it, load it yourself "
+                "and torch.save its state_dict" if "global" in cause.lower()
+                else " (corrupted or truncated?)")
+        raise ValueError(f"{path!r} cannot be read by torch.load(weights_only=True), which runs no "
+                         f"code from the file: {cause}{hint}") from e
     except Exception as e:  # noqa: BLE001 - report what the file is not, with the cause
         cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"{path!r} is not a readable torch or safetensors checkpoint (corrupted "
                          f"or truncated?): {type(e).__name__}: {cause}") from e
-
-
-def _file_kind(path: PathLike) -> Optional[str]:
-    """``'torch'`` or ``'safetensors'`` by the file's first bytes, else None."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if head[:4] == b"PK\x03\x04" or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
-        return "torch"  # torch.save: a zip archive, or a pickle (PROTO opcode, protocol 2-5)
-    # safetensors: little-endian u64 header length, then the JSON header
-    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 1:
-        return "safetensors"
-    return None
 
 
 def _family_module(model_name: str):
@@ -129,8 +140,8 @@ def _read_any(model_name: str, path: PathLike) -> Any:
     module = _family_module(model_name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {os.fspath(path)!r} does not exist")
-    reader = read_checkpoint if _file_kind(path) else getattr(module, "read_checkpoint",
-                                                              read_checkpoint)
+    reader = read_checkpoint if checkpoint_kind(path) else getattr(module, "read_checkpoint",
+                                                                   read_checkpoint)
     return reader(path)
 
 
@@ -150,10 +161,35 @@ def load_official(model_name: str, path: PathLike, **model_kwargs) -> Dict[str, 
     return _convert(model_name, _read_any(model_name, path), **model_kwargs)
 
 
+# The files `attnzoo convert` writes, by the output's extension: both load with timm's
+# ``pretrained_cfg_overlay=dict(file=...)``, which reads ``.safetensors`` and torch.load's others.
+CONVERTED_FORMATS = {".safetensors": "safetensors", ".pth": "torch", ".pt": "torch",
+                     ".bin": "torch"}
+
+
+def check_output_path(path: PathLike) -> str:
+    """The format :func:`save_converted` writes to ``path`` (by its extension), after checking
+    that its folder exists; ``ValueError`` otherwise, before any work is done."""
+    path = os.fspath(path)
+    kind = CONVERTED_FORMATS.get(os.path.splitext(path)[1].lower())
+    if kind is None:
+        raise ValueError(f"output {path!r}: unknown extension; accepted: "
+                         f"{', '.join(CONVERTED_FORMATS)} (safetensors recommended)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"output {path!r}: folder {folder!r} does not exist")
+    return kind
+
+
 def save_converted(state_dict: Dict[str, torch.Tensor], path: PathLike) -> None:
-    """Write a converted state dict as safetensors (what timm's ``file=`` overlay loads)."""
+    """Write a converted state dict as safetensors or, for ``.pth`` / ``.pt`` / ``.bin``, with
+    ``torch.save`` (both what timm's ``file=`` overlay loads)."""
+    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    if check_output_path(path) == "torch":
+        torch.save(tensors, os.fspath(path))
+        return
     import safetensors.torch
-    safetensors.torch.save_file({k: v.contiguous() for k, v in state_dict.items()}, os.fspath(path))
+    safetensors.torch.save_file(tensors, os.fspath(path))
 
 
 def load_checkpoint_model(model_name: str, path: PathLike,
@@ -227,10 +263,11 @@ def check_finite(model: torch.nn.Module) -> torch.Tensor:
 
 
 def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
-             workers: int = 0) -> Dict[str, float]:
+             workers: int = 0) -> Dict[str, Any]:
     """Top-1 / top-5 accuracy (%) of ``model`` on an ImageFolder (one sub-folder per class,
     classes in sorted order as timm's ``validate.py`` takes them), with the model's eval
-    transform (``resolve_data_config``), a progress bar on stderr."""
+    transform (``resolve_data_config``), a progress bar on stderr; with the number of images
+    and the class folders' names in index order (``classes``)."""
     from timm.data import create_dataset, create_loader, resolve_data_config
     from tqdm import tqdm
 
@@ -255,7 +292,8 @@ def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
             correct1 += int((top[:, 0] == y).sum())
             correct5 += int((top == y[:, None]).any(-1).sum())
     n = len(dataset)
-    return {"top1": 100 * correct1 / n, "top5": 100 * correct5 / n, "images": n}
+    return {"top1": 100 * correct1 / n, "top5": 100 * correct5 / n, "images": n,
+            "classes": sorted(classes, key=classes.get)}
 
 
 def measure_facts(model: torch.nn.Module) -> Dict[str, Any]:
@@ -397,14 +435,16 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         "none needed (no attnzoo op: plain PyTorch)")
     if throughput:
         details["Throughput"] = throughput
+    details["Labels"] = class_names(model, (evaluation or {}).get("classes"))[1]
     load = f"hf-hub:{repo_id}" if repo_id else name
-    usage = ("```python\nimport timm\nimport torch\n\n"
+    usage = ("With timm:\n\n```python\nimport timm\nimport torch\n\n"
              "import attnzoo  # registers attnzoo's models with timm: before create_model\n\n"
              f"model = timm.create_model('{load}', pretrained={bool(repo_id or tag)}).eval()\n"
              "data_config = timm.data.resolve_model_data_config(model)\n"
              "transform = timm.data.create_transform(**data_config, is_training=False)\n"
              "with torch.no_grad():\n"
-             "    logits = model(transform(image).unsqueeze(0))  # image: a PIL image\n```\n")
+             "    logits = model(transform(image).unsqueeze(0))  # image: a PIL image\n```\n\n"
+             + transformers_usage(arch, repo_id or (hub_repo(name) if tag else "")))
     rows = ["| | ImageNet-1k top-1 | top-5 | source |", "|---|---|---|---|"]
     if arch in PAPER_TOP1:
         top1, where = PAPER_TOP1[arch]
@@ -425,6 +465,26 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
     if bibtex:
         card["citation"] = bibtex
     return card
+
+
+def transformers_usage(arch: str, source: str = "") -> str:
+    """The card's transformers block: ``pipeline`` on ``source`` (a Hub repo in timm's layout,
+    as :func:`write_hub_folder` writes it; default: a placeholder for one), ``import attnzoo``
+    first, and what a user sees without it."""
+    repo = f'"{source}"' if source else '"ORG/NAME"  # a Hub repo or folder `attnzoo publish` wrote'
+    return (
+        "With transformers (`pip install \"attnzoo[transformers]\"`): its `TimmWrapper` builds the "
+        "model with timm, so the logits, the preprocessing (from config.json's `pretrained_cfg`) "
+        "and the class names are timm's:\n\n```python\n"
+        "import attnzoo  # registers attnzoo's models with timm: before transformers builds one\n"
+        "from transformers import pipeline\n\n"
+        f"repo = {repo}\n"
+        "classifier = pipeline(\"image-classification\", model=repo)\n"
+        "classifier(image)  # image: a PIL image, a path or a URL\n```\n\n"
+        "`AutoModelForImageClassification` and `AutoImageProcessor` load it the same way. "
+        f"Without `import attnzoo`, timm does not know `{arch}` and transformers stops with "
+        f"`{TRANSFORMERS_WITHOUT_ATTNZOO.format(arch=arch)}...`: upgrading timm, which it "
+        "suggests, does not help; importing attnzoo first does.\n")
 
 
 def readme(card: Mapping[str, Any], title: str) -> str:
@@ -490,24 +550,50 @@ def check_out_dir(out: PathLike) -> Path:
     return out
 
 
-def _label_names(model: torch.nn.Module) -> Dict[str, Any]:
-    """ImageNet-1k's synsets and their descriptions (timm's own ImageNet info) for a 1000-class
-    ImageNet-1k tag; nothing for another head."""
-    tag = model.pretrained_cfg.get("tag") or ""
-    if model.num_classes != 1000 or "in1k" not in tag:
-        return {}
-    from timm.data import ImageNetInfo
-    info = ImageNetInfo()
-    names = info.label_names()
-    return {"label_names": list(names),
-            "label_descriptions": {n: info.label_name_to_description(n) for n in names}}
+def class_names(model: torch.nn.Module,
+                classes: Optional[Sequence[str]] = None) -> Tuple[Dict[str, Any], str]:
+    """What ``model``'s classes are called: the ``config.json`` fields that name them, and a
+    sentence for the card. ``classes``: an ImageFolder's class folders in index order
+    (:func:`evaluate`'s ``classes``).
+
+    - ``classes`` naming every class of the head (and not ImageNet's own synsets):
+      ``label_names``, which timm puts in the model's ``pretrained_cfg`` and transformers turns
+      into ``id2label``.
+    - Else an ImageNet head (1000 classes; timm's ``infer_imagenet_subset``): nothing, as in
+      timm's own ImageNet repos. timm (``ImageNetInfo``) and transformers (its ``TimmWrapper``
+      config, 4.48+) both name the classes from the head's size, transformers with the
+      descriptions ('tench, Tinca tinca'); ``label_names`` would replace those descriptions
+      with whatever is written (timm writes synsets there), so ``pipeline`` would answer
+      'n01440764'.
+    - Else nothing: the classes have no names (transformers answers ``LABEL_0``...)."""
+    from timm.data import ImageNetInfo, infer_imagenet_subset
+    n = model.num_classes
+    subset = infer_imagenet_subset(model)
+    info = ImageNetInfo(subset) if subset else None
+    if classes is not None and len(classes) == n and (
+            info is None or list(classes) != info.label_names()):
+        shown = ", ".join(classes[:5]) + (", ..." if n > 5 else "")
+        return {"label_names": list(classes)}, (
+            f"{n} classes, named after the class folders of the ImageFolder given to `attnzoo "
+            f"publish --eval-dir` (config.json `label_names`, in index order): {shown}")
+    if info is not None:
+        return {}, (
+            f"{subset}'s {n} classes, named from the {n}-class head by timm's `ImageNetInfo`, as "
+            "for timm's own ImageNet repos: transformers' `pipeline` answers their descriptions "
+            f"('{info.index_to_description(0)}'), timm's `ImageNetInfo` gives those and the "
+            f"synsets ('{info.index_to_label_name(0)}')")
+    return {}, (f"{n} classes without names (`attnzoo publish` names them from an `--eval-dir` "
+                f"ImageFolder with {n} class folders): transformers answers `LABEL_0` to "
+                f"`LABEL_{n - 1}`, timm gives class indices")
 
 
 def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, Any],
-                     title: str) -> Path:
+                     title: str, classes: Optional[Sequence[str]] = None) -> Path:
     """Write ``model`` as a timm Hub folder: timm's ``save_for_hf`` (``model.safetensors``,
-    ``config.json`` with ``architecture``, ``num_classes``, ``pretrained_cfg``, label names where
-    known) and ``README.md`` from ``card``.
+    ``config.json`` with ``architecture``, ``num_classes``, ``pretrained_cfg``, the label names
+    :func:`class_names` gives for ``classes``) and ``README.md`` from ``card``. timm loads it
+    (``local-dir:``, ``hf-hub:``) and so does transformers (``TimmWrapper``: the
+    ``pretrained_cfg`` is its image processor's config too).
 
     ``config.json``'s ``model_args`` holds exactly the constructor arguments that differ from
     the architecture's defaults (``in_chans`` where not 3), whatever timm version writes it:
@@ -518,8 +604,8 @@ def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, A
     out = check_out_dir(out)
     in_chans = _in_chans(model)
     model_args = {"in_chans": in_chans} if in_chans != 3 else {}
-    save_for_hf(model, out, model_config=_label_names(model), model_args=model_args or None,
-                safe_serialization=True)
+    save_for_hf(model, out, model_config=class_names(model, classes)[0],
+                model_args=model_args or None, safe_serialization=True)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     config.pop("model_args", None)

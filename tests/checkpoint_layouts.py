@@ -162,14 +162,20 @@ def qna_official_manifest(embed_dim: int, qna_depths: Sequence[int], lsa_depths:
     C = embed_dim
     leaves: Dict[str, Shape] = {"StemBlock_0/conv_1x1/kernel": (4, 4, in_chans, C)}
 
-    def base_block(prefix: str, dim: int) -> None:
-        for i, d in enumerate((dim, dim)):
-            leaves[f"{prefix}/LayerNorm_{i}/scale"] = (d,)
-            leaves[f"{prefix}/LayerNorm_{i}/bias"] = (d,)
+    def layer_norm(prefix: str, i: int, dim: int) -> None:
+        leaves[f"{prefix}/LayerNorm_{i}/scale"] = (dim,)
+        leaves[f"{prefix}/LayerNorm_{i}/bias"] = (dim,)
+
+    def mlp(prefix: str, dim: int) -> None:
         leaves[f"{prefix}/MlpBlock_0/Dense_0/kernel"] = (dim, mlp_ratio * dim)
         leaves[f"{prefix}/MlpBlock_0/Dense_0/bias"] = (mlp_ratio * dim,)
         leaves[f"{prefix}/MlpBlock_0/Dense_1/kernel"] = (mlp_ratio * dim, dim)
         leaves[f"{prefix}/MlpBlock_0/Dense_1/bias"] = (dim,)
+
+    def base_block(prefix: str, dim: int) -> None:
+        layer_norm(prefix, 0, dim)
+        layer_norm(prefix, 1, dim)
+        mlp(prefix, dim)
 
     def fused_kqna(prefix: str, cin: int, features: int, heads: int, k: int) -> None:
         f = f"{prefix}/FusedKQnA_0"
@@ -200,16 +206,10 @@ def qna_official_manifest(embed_dim: int, qna_depths: Sequence[int], lsa_depths:
         if s < n_stages - 1:
             prefix = f"QnAStage_{s}/QnA_Block_{qna_depths[s] + 1}_stride_2"
             leaves[f"{prefix}/Conv_0/kernel"] = (1, 1, dim, 2 * dim)
-            leaves[f"{prefix}/LayerNorm_0/scale"] = (dim,)
-            leaves[f"{prefix}/LayerNorm_0/bias"] = (dim,)
+            layer_norm(prefix, 0, dim)
             fused_kqna(prefix, dim, 2 * dim, 2 * qna_heads[s], kernel_sizes[s])
-            out = 2 * dim
-            leaves[f"{prefix}/LayerNorm_1/scale"] = (out,)
-            leaves[f"{prefix}/LayerNorm_1/bias"] = (out,)
-            leaves[f"{prefix}/MlpBlock_0/Dense_0/kernel"] = (out, mlp_ratio * out)
-            leaves[f"{prefix}/MlpBlock_0/Dense_0/bias"] = (mlp_ratio * out,)
-            leaves[f"{prefix}/MlpBlock_0/Dense_1/kernel"] = (mlp_ratio * out, out)
-            leaves[f"{prefix}/MlpBlock_0/Dense_1/bias"] = (out,)
+            layer_norm(prefix, 1, 2 * dim)
+            mlp(prefix, 2 * dim)
     last = C * 2 ** (n_stages - 1)
     leaves.update({
         "ClassificationHead_0/LayerNorm_0/scale": (last,),

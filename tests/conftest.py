@@ -1,5 +1,12 @@
 """Shared pytest setup.
 
+Every test starts from a clean backend state (the ``backend_state`` fixture, autouse): no
+``use_backend`` block or process default, no ``ATTNZOO_BACKEND``, no cached choices or probes of
+optional installs (:func:`attnzoo.backends.reset`), and is left that way.
+
+Test tiers are pytest markers (registered in pyproject.toml); ``pytest_collection_modifyitems``
+below adds those that follow from where a test lives.
+
 Registers the plugin that runs timm's own test suite on our models (tests/timm_suite/plugin.py).
 Registering it costs nothing: the suite is only fetched when tests/test_timm_suite.py is collected.
 
@@ -7,9 +14,10 @@ Without a GPU, attnzoo's Triton kernels (the ``cuda`` backend) are checked under
 interpreter on CPU tensors. Triton decides interpreted or compiled when a kernel module is
 imported (``@triton.jit``), so every kernel module is imported here, first, with
 TRITON_INTERPRET=1, and the variable is then restored: the ``cuda`` backend accepts CPU tensors
-only while it is set, which the kernel tests do for themselves (tests/test_kernels_*.py), so no
-other test sees a different backend behaviour (an explicit ``cuda`` on CPU stays an error).
-With a GPU the kernels compile and the same tests run them on CUDA tensors.
+only while it is set, which the ``backend_state`` fixture does for the tests marked
+``interpreter`` only, so no other test sees a different backend behaviour (an explicit ``cuda``
+on CPU stays an error). With a GPU the kernels compile and the same tests run them on CUDA
+tensors.
 """
 import importlib
 import os
@@ -17,6 +25,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -38,13 +47,40 @@ def _import_kernels_interpreted() -> None:
 if not torch.cuda.is_available():
     _import_kernels_interpreted()
 
+from attnzoo import backends  # noqa: E402  (after the kernels, which must come first)
+
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)  # makes `timm_suite` importable under any --import-mode
 
+from timm_suite import families as _timm_suite_families  # noqa: E402
 from timm_suite import plugin as _timm_suite_plugin  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def backend_state(request, monkeypatch):
+    """A clean backend state before and after every test (see the module docstring); in tests
+    marked ``interpreter``, on a machine without a GPU, TRITON_INTERPRET=1 too."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    if request.node.get_closest_marker("interpreter") and not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backends.reset()
+    yield
+    backends.reset()
 
 
 def pytest_configure(config):
     if not config.pluginmanager.is_registered(_timm_suite_plugin):
         config.pluginmanager.register(_timm_suite_plugin, "attnzoo-timm-suite")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
+def pytest_collection_modifyitems(items):
+    """timm's suite cases on ``families.FLOOR_MODELS`` are in the ``floor`` tier (every suite
+    case is ``timm_suite``: tests/test_timm_suite.py)."""
+    for item in items:
+        if _timm_suite_plugin.is_suite_item(item):
+            model = getattr(getattr(item, "callspec", None), "params", {}).get("model_name")
+            if isinstance(model, str) and model.split(".", 1)[0] in \
+                    _timm_suite_families.FLOOR_MODELS:
+                item.add_marker(pytest.mark.floor)

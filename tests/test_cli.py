@@ -1,5 +1,11 @@
 """The command line and the cost accounting behind `attnzoo bench` and the model cards."""
+import argparse
+import os
+import signal
+import sys
+
 import pytest
+import safetensors.torch
 import timm
 import torch
 
@@ -83,11 +89,28 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
     (["bench", "nat_mini", "--steps", "0"], "--steps: must be >= 1"),
     (["bench", "nat_mini", "--steps", "many"], "--steps: invalid int value: 'many'"),
     (["bench", "nat_mini.bogus"], "unknown pretrained tag 'nat_mini.bogus'; nat_mini's tags: "),
-    (["bench", "vit_tiny_patch16_224", "--img-size", "100"],
-     "--img-size 100: vit_tiny_patch16_224 cannot run a 100x100 input: "),
-    (["list", "--family", "bogus"], "family must be one of nat, qna_vit, quest_vit, san, got "),
     (["convert", "nat_mini", "/does/not/exist.pth", "out.safetensors"], "does not exist"),
+    (["convert", "nat_mini", "x.pth", "out/missing/dir/x.safetensors"],
+     "output 'out/missing/dir/x.safetensors': folder "),
+    (["convert", "nat_mini", "x.pth", "out.onnx"],
+     "output 'out.onnx': unknown extension; accepted: .safetensors, .pth, .pt, .bin"),
+    (["convert", "nat_mini"], "the following arguments are required: CHECKPOINT, OUT"),
     (["timm", "/does/not/train.py"], "does not exist"),
+    (["check", "--backend", "auto"], "argument --backend: invalid choice: 'auto' (choose from "
+                                     "'torch', 'natten', 'cuda')"),
+    (["check", "--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
+    (["list", "zzz*"], "no attnzoo model matches 'zzz*'; `attnzoo list` names them all"),
+    (["list", "--pretrained", "nat_tny*"], "no attnzoo pretrained tag matches 'nat_tny*'"),
+    (["list", "nat_tny"], "no attnzoo model matches 'nat_tny'; did you mean nat_tiny"),
+    (["list", "--family", "vit"], "argument --family: invalid choice: 'vit' (choose from 'nat', "
+                                  "'qna_vit', 'quest_vit', 'san')"),
+    (["bench", "nat_mini", "--model-kwargs", "oops"],
+     "argument --model-kwargs: expected KEY=VALUE, got 'oops'"),
+    (["bench", "nat_mini", "--model-kwargs", "bogus=1"],
+     "cannot build nat_mini: NAT.__init__() got an unexpected keyword argument 'bogus'"),
+    (["bench", "san10_pairwise", "--img-size", "32"],
+     "--img-size 32: san10_pairwise cannot run a 32x32 input: input images must be at least "
+     "128x128 pixels for this architecture, got 32x32; padding_mode='zeros'"),
 ])
 def test_cli_user_errors_are_one_line_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -95,7 +118,122 @@ def test_cli_user_errors_are_one_line_exit_2(argv, message, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("attnzoo")
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"attnzoo {argv[0]}: error: ")
+
+
+def _convert_error(capsys, checkpoint, model="san10_pairwise") -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["convert", model, str(checkpoint), str(checkpoint) + ".safetensors"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+class _NotATensor:
+    pass
+
+
+def test_cli_convert_refuses_unreadable_checkpoints_in_one_line(tmp_path, capsys):
+    """A truncated safetensors file, a text file, a torch file holding Python objects: one line
+    saying what the file is not, never torch's multi-line advice to load untrusted code."""
+    st = tmp_path / "truncated.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(1000)}, st)
+    st.write_bytes(st.read_bytes()[:50])
+    assert "corrupted or truncated" in _convert_error(capsys, st)
+    text = tmp_path / "hostname"
+    text.write_text("myhost\n")
+    err = _convert_error(capsys, text)
+    assert "is not a torch or safetensors checkpoint: its first bytes are neither" in err
+    assert "weights_only=False" not in err and "file an issue" not in err
+    pickled = tmp_path / "objects.pth"
+    torch.save({"model": _NotATensor()}, pickled)
+    err = _convert_error(capsys, pickled)
+    assert "cannot be read by torch.load(weights_only=True), which runs no code" in err
+    assert "_NotATensor" in err and "holds Python objects besides tensors" in err
+    assert "weights_only=False" not in err
+    # the Flax reader of QnA-ViT says the same of a file that is not one
+    assert "not a Flax msgpack checkpoint" in _convert_error(capsys, text, "qna_vit_tiny")
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_cli_convert_writes_the_format_its_output_name_says(suffix, tmp_path, capsys):
+    """`convert ... out.pth` writes a torch file (it used to write safetensors bytes under that
+    name), and the load line it prints works."""
+    source = timm.create_model("quest_vit_tiny_patch16_224")
+    checkpoint, out = tmp_path / "official.pth", tmp_path / f"converted{suffix}"
+    torch.save(source.state_dict(), checkpoint)
+    assert cli.main(["convert", "quest_vit_tiny_patch16_224", str(checkpoint), str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert (out.read_bytes()[:2] == b"PK") == (suffix == ".pth")  # torch.save's zip archive
+    load = line.split("Load it with ", 1)[1]
+    model = eval(load, {"timm": timm})
+    for k, v in source.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_cli_output_closed_early_stops_quietly_like_unix_tools(monkeypatch, capsys):
+    """`attnzoo list | head -1`: the reader goes away; the command stops without a traceback,
+    with the status of a process killed by SIGPIPE (it was a BrokenPipeError traceback)."""
+    read, write = os.pipe()
+    os.close(read)  # a pipe nobody reads: every write fails
+    with open(write, "w") as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        assert cli.main(["list", "--pretrained"]) == 128 + signal.SIGPIPE
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_timm_script_missing_a_package_is_one_line(tmp_path, capsys):
+    """timm's inference.py imports pandas, which timm does not install: one line naming the
+    package to install, exit 2 (it was a ModuleNotFoundError traceback)."""
+    script = _write_script(tmp_path, "import attnzoo_no_such_package.sub\n")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["timm", script, "--model", "nat_mini"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("attnzoo timm: error: script.py needs the module 'attnzoo_no_such_package', "
+                   "which is not installed here: pip install attnzoo_no_such_package\n")
+    # a script's own import error of an installed package keeps its traceback
+    script = _write_script(tmp_path, "import timm.no_such_module\n")
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["timm", script])
+
+
+def _subcommands():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_cli_help_lists_every_choice_and_default(command):
+    """Every option of every command: its help says its default (or what leaving it out does)
+    and lists its choices."""
+    p = _subcommands()[command]
+    text = " ".join(p.format_help().split())
+    for action in p._actions:
+        if isinstance(action, argparse._HelpAction) or action.required or (
+                not action.option_strings and action.nargs is None):
+            continue  # -h, and arguments that must be given
+        help_text = " ".join(p._get_formatter()._expand_help(action).split())
+        assert "default" in help_text, (command, action.dest, help_text)
+        if cli._has_default(action):
+            default = action.default if not isinstance(action.default, list) else None
+            assert f"(default: {default})" in help_text, (command, action.dest, help_text)
+        for choice in action.choices or ():
+            assert choice in text, (command, action.dest, choice)
+    if command == "convert":  # what it converts: every attnzoo model, the formats
+        assert all(name in text for name in list_attnzoo_models())
+        assert ".safetensors, .pth, .pt, .bin" in text and "Flax" in text
+
+
+def test_cli_bench_builds_a_fixed_size_model_for_the_size_asked(capsys):
+    """QUEST's (timm ViT's) error tells the user to build the model with img_size: bench does
+    it for --img-size (other create_model arguments go through --model-kwargs)."""
+    argv = ["bench", "quest_vit_tiny_patch16_224", "--img-size", "32", "--batch-size", "1",
+            "--steps", "1", "--warmup", "0", "--backends", "torch"]
+    assert cli.main(argv) == 0
+    assert "GMACs at 32x32" in capsys.readouterr().out
 
 
 def test_cli_version(capsys):

@@ -9,10 +9,9 @@ import torch
 import torch._dynamo
 
 import attnzoo
-from attnzoo.models.nat import NAT
+from tiny_models import NAT_SHALLOW, nat
 
-TINY = dict(embed_dim=16, depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4), mlp_ratio=2.,
-            kernel_size=3, dilations=((2,), (1, 2), (2,), (1,)), num_classes=5)
+pytestmark = pytest.mark.floor  # also run on the lowest torch and timm admitted (.ci/floor)
 
 
 @pytest.fixture(autouse=True)
@@ -22,13 +21,8 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _tiny(**kwargs):
-    torch.manual_seed(0)
-    return NAT(**dict(TINY, **kwargs))
-
-
 def test_fullgraph_two_batch_sizes_matches_eager():
-    model = _tiny(drop_path_rate=0.).train()
+    model = nat(NAT_SHALLOW, drop_path_rate=0.).train()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     for batch in (2, 3):  # the second batch size recompiles with a dynamic batch dim
         x = torch.randn(batch, 3, 40, 40)  # small stages: the padding path is compiled too
@@ -42,7 +36,7 @@ def test_fullgraph_two_batch_sizes_matches_eager():
 
 
 def test_fullgraph_autocast_bf16_with_drop_path():
-    model = _tiny(drop_path_rate=0.2).train()  # per-block drop-path rates: no recompiles
+    model = nat(NAT_SHALLOW, drop_path_rate=0.2).train()  # per-block drop-path rates: no recompiles
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = compiled(torch.randn(2, 3, 40, 40))
@@ -52,21 +46,21 @@ def test_fullgraph_autocast_bf16_with_drop_path():
 
 
 def test_default_compile_has_no_graph_break():
-    model = _tiny().eval()
+    model = nat(NAT_SHALLOW).eval()
     explanation = torch._dynamo.explain(model)(torch.randn(1, 3, 40, 40))
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
 
 
 def test_unsupported_backend_raises_its_own_error_under_compile():
-    model = _tiny(backend="cuda").eval()  # the layers ask for cuda explicitly; CPU input
+    model = nat(NAT_SHALLOW, backend="cuda").eval()  # the layers ask for cuda explicitly; CPU input
     compiled = torch.compile(model, backend="aot_eager")
     with pytest.raises(attnzoo.BackendUnsupportedError, match="cannot run na2d"):
         compiled(torch.randn(1, 3, 40, 40))
 
 
 def test_backend_switch_after_compiling_recompiles():
-    model = _tiny().eval()
+    model = nat(NAT_SHALLOW).eval()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = torch.randn(1, 3, 40, 40)
     with torch.no_grad():

@@ -94,7 +94,10 @@ def _assert_state_dict(model, want: dict):
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
-@pytest.mark.parametrize("tag", OFFICIAL)
+# nat_mini is also in the floor tier: timm's save_for_hf and local-dir:/hf-hub: reload changed
+# after timm's floor (1.0.29).
+@pytest.mark.parametrize("tag", [
+    pytest.param(tag, marks=[pytest.mark.floor] * (tag == "nat_mini.in1k")) for tag in OFFICIAL])
 def test_official_checkpoint_publishes_a_folder_that_loads_identically_everywhere(
         tag, tmp_path, capsys):
     """publish --dry-run (which itself reloads the folder through local-dir: and requires the
@@ -128,7 +131,7 @@ def test_official_checkpoint_publishes_a_folder_that_loads_identically_everywher
     config = json.loads((out / "config.json").read_text())
     assert config["architecture"] == arch and config["num_classes"] == 1000
     assert "num_classes" not in config.get("model_args", {})  # transformers passes it apart
-    assert len(config["label_names"]) == 1000 and config["label_names"][0] == "n01440764"
+    assert "label_names" not in config  # ImageNet-1k's: named from the head by timm's info
     assert config["pretrained_cfg"]["tag"] == "in1k" and "notes" not in config["pretrained_cfg"]
 
     text = (out / "README.md").read_text()

@@ -1,8 +1,8 @@
 """attnzoo's fused Triton NA kernels (the ``cuda`` backend of na1d / na2d).
 
 Without a GPU these run under Triton's interpreter on CPU tensors (tests/conftest.py imports the
-kernel modules with TRITON_INTERPRET=1 before anything else does; the fixture below sets it
-again while each test here runs); with a GPU, compiled on CUDA tensors.
+kernel modules with TRITON_INTERPRET=1 before anything else does, and sets it again while each
+test marked ``interpreter``, as all of these are, runs); with a GPU, compiled on CUDA tensors.
 The oracle is the torch reference in float64, evaluated on the very inputs the kernel saw
 (rounded to its dtype), forward and the gradients of q, k, v and rpb. The reference itself is
 checked against a brute force in tests/test_ops_neighborhood.py.
@@ -43,23 +43,15 @@ from attnzoo.kernels import tiling  # noqa: E402
 from attnzoo.kernels.tiling import Tiling  # noqa: E402
 from attnzoo.ops import na1d, na2d  # noqa: E402
 from attnzoo.ops import neighborhood as nbh  # noqa: E402
+from tiny_models import NAT_MINI_CUT  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _clean_backend_state(monkeypatch):
-    if not torch.cuda.is_available():
-        # the kernels were built interpreted by conftest.py; they run while this is set
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    backends.set_backend(None)
-    backends._resolve.cache_clear()
-    yield
-    backends._resolve.cache_clear()
-    kernels.triton_missing.cache_clear()
-    nbh._natten.cache_clear()
+# On CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on for tests
+# marked `interpreter` (the kernels themselves were built interpreted there).
+pytestmark = pytest.mark.interpreter
 
 
 def test_kernels_run_here():
@@ -332,13 +324,6 @@ def test_fp32_uses_tf32_only_where_torch_allows_it(setting, monkeypatch):
 # models: the same outputs and gradients on `cuda` as on `torch`
 # --------------------------------------------------------------------------------------------
 
-# nat_mini / dinat_mini cut down for the interpreter: one block per level, narrow, at 64 px
-# (levels of 16, 8, 4 and 2 px: the last two below K, the dilated ones below K*d, so the
-# layers' padding path runs too).
-TINY = dict(depths=(2, 1, 1, 1), embed_dim=16, num_heads=(1, 2, 2, 2), num_classes=5,
-            drop_path_rate=0.)
-
-
 @pytest.mark.parametrize("name,extra", [
     ("nat_mini", {}),
     ("dinat_mini", dict(dilations=((1, 2), (2,), (1,), (1,)))),
@@ -348,7 +333,7 @@ def test_model_cuda_backend_matches_torch(name, extra, monkeypatch):
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     torch.manual_seed(0)
-    model = timm.create_model(name, **TINY, **extra).to(DEVICE)
+    model = timm.create_model(name, **NAT_MINI_CUT, **extra).to(DEVICE)  # at 64 px
     assert model.stages[0].blocks[0].attn.rpb is not None
     model.train()
     x = torch.randn(1, 3, 64, 64, device=DEVICE)

@@ -86,3 +86,19 @@ def test_bad_input_is_a_clear_error(name):
         model(x[:, :1])
     with pytest.raises(TypeError):
         timm.create_model(name, device="meta", not_a_model_arg=1)
+
+
+@pytest.mark.parametrize("name", SMALLEST)
+def test_an_empty_batch_gives_empty_outputs_forward_and_backward(name):
+    """As timm's ResNet and ViT do: batch 0 in, batch 0 out (logits and unpooled features of
+    batch 1's shapes), and a backward pass with gradients of the input's shape."""
+    model = timm.create_model(name)
+    x = _input(model, batch=0).requires_grad_()
+    with torch.no_grad():
+        features = model.forward_features(_input(model, batch=1))
+    assert model.forward_features(x).shape == (0, *features.shape[1:])
+    out = model(x)
+    assert out.shape == (0, model.num_classes)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and not x.grad.any()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

@@ -13,10 +13,14 @@ import torch.nn.functional as F
 import attnzoo
 from timm.layers import LayerScale
 from attnzoo.layers import NeighborhoodAttention2d
-from attnzoo.models.nat import NAT, checkpoint_filter_fn
+from attnzoo.models.nat import checkpoint_filter_fn
 from attnzoo.profiling import count_params
 from hub_cache import offline_hf_cache, write_hf_cache
-from model_checks import check_grad_checkpointing, check_torchscript_and_fx, leaf_calls
+from model_checks import (check_bad_input_and_arguments, check_grad_checkpointing,
+                          check_forward_intermediates_and_prune, check_head_contract,
+                          check_in_chans_and_meta_dtype, check_torchscript_and_fx, leaf_calls)
+from oracles import neighborhood_attention
+import tiny_models
 from checkpoint_layouts import nat_official_manifest, nat_official_to_transformers, nat_to_official
 from checkpoint_layouts import nat_to_transformers as to_transformers_layout
 
@@ -25,16 +29,6 @@ from checkpoint_layouts import nat_to_transformers as to_transformers_layout
 def _meta(name):
     """Registered model on the meta device (no memory, no init cost); shared, do not mutate."""
     return timm.create_model(name, device='meta')
-
-
-def _tiny(**kwargs):
-    """A small DiNAT-style model with padding at most levels for 32-64 px inputs."""
-    cfg = dict(embed_dim=16, depths=(1, 2, 2, 1), num_heads=(1, 2, 2, 4), mlp_ratio=2.,
-               dilations=((2,), (1, 2), (2, 1), (1,)), kernel_size=3, num_classes=7,
-               drop_path_rate=0.)
-    cfg.update(kwargs)
-    torch.manual_seed(0)
-    return NAT(**cfg).eval()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,32 +126,6 @@ def test_output_shapes(dinat_mini, size):
         (2, 64 * 2 ** i, *hw) for i, hw in enumerate(sizes)]
 
 
-def _na_bruteforce(q, k, v, K, d, rpb, scale):
-    """Spec's NA, one query at a time: clamped windows per dilation group, rpb by offset."""
-    B, H, W, heads, _ = q.shape
-    r = K // 2
-
-    def window(i, L):
-        g, ip = i % d, i // d
-        lg = math.ceil((L - g) / d)
-        start = min(max(ip - r, 0), lg - K)
-        return [(start + t) * d + g for t in range(K)]
-
-    out = torch.empty_like(v)
-    for y in range(H):
-        for x in range(W):
-            ys, xs = window(y, H), window(x, W)
-            keys = [(ky, kx) for ky in ys for kx in xs]
-            kk = torch.stack([k[:, ky, kx] for ky, kx in keys], 1)  # B, K*K, heads, dh
-            vv = torch.stack([v[:, ky, kx] for ky, kx in keys], 1)
-            logits = torch.einsum('bhd,bnhd->bhn', q[:, y, x] * scale, kk)
-            bias = torch.stack([rpb[:, (ky - y) // d + K - 1, (kx - x) // d + K - 1]
-                                for ky, kx in keys], -1)
-            attn = (logits + bias).softmax(-1)
-            out[:, y, x] = torch.einsum('bhn,bnhd->bhd', attn, vv)
-    return out
-
-
 @pytest.mark.parametrize('hw,K,d', [((5, 4), 3, 2), ((2, 9), 3, 1), ((7, 5), 3, 3)])
 def test_small_input_padding_matches_reference(hw, K, d):
     torch.manual_seed(0)
@@ -173,7 +141,7 @@ def test_small_input_padding_matches_reference(hw, K, d):
         assert ph or pw
         xp = F.pad(x, (0, 0, 0, pw, 0, ph))
         q, k, v = attn.qkv(xp).reshape(*xp.shape[:3], 3, heads, dim // heads).unbind(3)
-        ref = _na_bruteforce(q, k, v, K, d, attn.rpb, (dim // heads) ** -0.5)
+        ref = neighborhood_attention(q, k, v, K, d, attn.rpb, (dim // heads) ** -0.5)
         ref = attn.proj(ref.flatten(-2)[:, :hw[0], :hw[1]])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -181,37 +149,25 @@ def test_small_input_padding_matches_reference(hw, K, d):
 def test_model_pads_small_levels():
     # at 32 px, level 0 is 8x8 while one of its blocks has K*d = 3*2 = 6 <= 8 and level 3
     # (1x1) is padded to 3x3: the model runs and the output depends on every input pixel
-    model = _tiny()
+    model = tiny_models.nat()
     x = torch.randn(1, 3, 32, 32, requires_grad=True)
     model(x).sum().backward()
     assert (x.grad != 0).float().mean() > 0.9
 
 
 def test_errors():
-    model = _tiny()
-    with pytest.raises(ValueError, match='in_chans=3.*1 channels'):
-        model(torch.randn(1, 1, 32, 32))
-    with pytest.raises(ValueError, match='4-D'):
-        model(torch.randn(3, 32, 32))
-    with pytest.raises(TypeError):
-        timm.create_model('nat_mini', device='meta', not_a_model_arg=1)
-    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
-        timm.create_model('nat_mini', device='meta', backend='bogus')
+    check_bad_input_and_arguments(tiny_models.nat(), 'nat_mini', 32)
     with pytest.raises(ValueError, match='attn_drop'):
         timm.create_model('nat_mini', device='meta', attn_drop_rate=0.1)
     # an explicitly requested backend that cannot run the call is an error, never a fallback
-    model = _tiny(backend='cuda')
+    model = tiny_models.nat(backend='cuda')
     with pytest.raises(attnzoo.BackendUnsupportedError):
         model(torch.randn(1, 3, 32, 32))
 
 
 def test_in_chans_and_meta_dtype():
-    model = _tiny(in_chans=1)
-    assert model(torch.randn(1, 1, 40, 33)).shape == (1, 7)
-    meta = timm.create_model('nat_small', device='meta', dtype=torch.bfloat16)
-    assert all(p.device.type == 'meta' and p.dtype == torch.bfloat16 for p in meta.parameters())
-    out = meta(torch.randn(1, 3, 64, 64, device='meta', dtype=torch.bfloat16))
-    assert out.shape == (1, 1000) and out.dtype == torch.bfloat16
+    check_in_chans_and_meta_dtype(tiny_models.nat(in_chans=1), torch.randn(1, 1, 40, 33),
+                                  'nat_small')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,37 +175,23 @@ def test_in_chans_and_meta_dtype():
 # ----------------------------------------------------------------------------------------------
 
 def test_head_contract():
-    model = _tiny()
+    model = tiny_models.nat()
     x = torch.randn(2, 3, 48, 40)
     with torch.no_grad():
-        feats = model.forward_features(x)
-        assert feats.shape == (2, model.num_features, 2, 2)  # NCHW, unpooled
-        pre = model.forward_head(feats, pre_logits=True)
-        torch.testing.assert_close(pre, feats.mean((2, 3)))  # official head: mean over H, W
-        torch.testing.assert_close(model(x), model.get_classifier()(pre))
         torch.testing.assert_close(model(x.contiguous(memory_format=torch.channels_last)),
                                    model(x))
-        assert model.get_classifier() is model.head.fc
-        model.reset_classifier(0)
-        assert model(x).shape == (2, model.num_features) == (2, model.head_hidden_size)
-        model.reset_classifier(0, '')
-        torch.testing.assert_close(model(x), feats)  # no pooling, no classifier
+    check_head_contract(model, x, (2, 2), [
+        'stem.conv1.weight', 'stages.0.blocks.0.attn.qkv.weight',
+        'stages.1.downsample.conv.weight', 'stages.1.blocks.0.norm1.weight', 'norm.weight'])
+    with torch.no_grad():
         model.reset_classifier(0, 'catavgmax')
         assert model(x).shape == (2, 2 * model.num_features) == (2, model.head_hidden_size)
     assert {'stages.0.blocks.0.attn.rpb'} <= model.no_weight_decay()
     assert all(n.endswith('.rpb') for n in model.no_weight_decay())
-    from timm.models._manipulate import group_parameters
-    groups = group_parameters(model, model.group_matcher(), reverse=True)
-    order = ['stem.conv1.weight', 'stages.0.blocks.0.attn.qkv.weight',
-             'stages.1.downsample.conv.weight', 'stages.1.blocks.0.norm1.weight',
-             'norm.weight']
-    ids = [groups[n] for n in order]
-    # layer-decay order: stem < stage 0 < stage 1 (its downsample with its first block) < norm
-    assert ids == sorted(ids) and len(set(ids)) == 4 and ids[2] == ids[3]
 
 
 def test_module_tree_follows_timm_layout():
-    model = _tiny(layer_scale=1e-5)
+    model = tiny_models.nat(layer_scale=1e-5)
     names = [n for n, _ in model.named_children()]
     assert names == ['stem', 'stages', 'norm', 'head']
     assert isinstance(model.stages[0].downsample, torch.nn.Identity)
@@ -274,39 +216,21 @@ def test_features_only_out_indices():
 
 
 def test_forward_intermediates_and_prune():
-    model = _tiny()
+    model = tiny_models.nat()
     x = torch.randn(2, 3, 64, 48)
+    check_forward_intermediates_and_prune(model, x, range(4))
     with torch.no_grad():
-        final, inter = model.forward_intermediates(x)
-        torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
-        nhwc = model.forward_intermediates(x, output_fmt='NHWC', intermediates_only=True)
-        for a, b in zip(inter, nhwc):
-            torch.testing.assert_close(a, b.permute(0, 3, 1, 2))
-        normed = model.forward_intermediates(x, indices=1, norm=True, intermediates_only=True)
-        torch.testing.assert_close(normed[0], model.forward_features(x))
-        for i in range(4):
-            early = model.forward_intermediates(x, indices=[i], stop_early=True,
-                                                intermediates_only=True)
-            torch.testing.assert_close(early[0], inter[i], rtol=0, atol=0)
-            pruned = copy.deepcopy(model)
-            take = pruned.prune_intermediate_layers([i], prune_norm=True)
-            torch.testing.assert_close(pruned.forward_features(x), inter[i], rtol=0, atol=0)
-            assert pruned(x).shape == inter[i].shape  # head and pool gone
-            pruned.reset_classifier(0, 'avg')
-            assert pruned(x).shape == (2, model.feature_info[i]['num_chs'])
-            assert pruned.forward_intermediates(x, indices=take, intermediates_only=True)[0].shape \
-                == inter[i].shape
         pruned = copy.deepcopy(model)
         pruned.prune_intermediate_layers([3], prune_head=False)
         torch.testing.assert_close(pruned(x), model(x), rtol=0, atol=0)
 
 
 def test_grad_checkpointing_same_output():
-    check_grad_checkpointing(_tiny().train(), torch.randn(2, 3, 40, 40))  # no drop path
+    check_grad_checkpointing(tiny_models.nat().train(), torch.randn(2, 3, 40, 40))  # no drop path
 
 
 def test_torchscript_and_fx():
-    fx = check_torchscript_and_fx(_tiny(), torch.randn(1, 3, 40, 56))
+    fx = check_torchscript_and_fx(tiny_models.nat(), torch.randn(1, 3, 40, 56))
     # FX leaves: the shape-dependent helpers are calls in the graph, not traced through
     names = leaf_calls(fx)
     assert any('na2d_dispatch' in n for n in names)
@@ -325,7 +249,7 @@ def _assert_same_state(a, b):
 
 @pytest.mark.parametrize('prefix', ['nat.', 'dinat.'])
 def test_filter_transformers_layout_round_trip(prefix):
-    model = _tiny(layer_scale=0.5)
+    model = tiny_models.nat(layer_scale=0.5)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()  # every value distinct: a swapped q/k/v or gamma would show
@@ -334,7 +258,7 @@ def test_filter_transformers_layout_round_trip(prefix):
     assert not any(k.startswith(('levels.', 'head.')) for k in hf)
     assert f'{prefix}encoder.levels.0.layers.0.layer_scale_parameters' in hf
     _assert_same_state(checkpoint_filter_fn(hf, model), sd)
-    fresh = _tiny(layer_scale=0.5)
+    fresh = tiny_models.nat(layer_scale=0.5)
     fresh.load_state_dict(checkpoint_filter_fn(hf, fresh))
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
@@ -342,7 +266,7 @@ def test_filter_transformers_layout_round_trip(prefix):
 
 
 def test_filter_official_layout_and_wrappers():
-    model = _tiny(layer_scale=1e-5)
+    model = tiny_models.nat(layer_scale=1e-5)
     sd = model.state_dict()
     official = nat_to_official(sd)
     assert any(k.startswith('levels.') for k in official) and 'head.weight' in official
@@ -383,7 +307,7 @@ def test_official_checkpoint_manifest_loads(name):
 
 
 def test_filter_reports_mismatches():
-    model = _tiny()
+    model = tiny_models.nat()
     sd = model.state_dict()
     bad = dict(sd)
     bad['stages.0.blocks.0.attn.bogus'] = torch.zeros(1)
@@ -397,7 +321,7 @@ def test_filter_reports_mismatches():
         assert text in msg
     # a NAT checkpoint into a model with layer scale: gammas missing
     with pytest.raises(ValueError, match='ls1.gamma'):
-        checkpoint_filter_fn(nat_to_official(sd), _tiny(layer_scale=1e-5))
+        checkpoint_filter_fn(nat_to_official(sd), tiny_models.nat(layer_scale=1e-5))
     # transformers layout with a lost projection
     hf = to_transformers_layout(sd)
     del hf['nat.encoder.levels.0.layers.0.attention.self.key.weight']

@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnzoo.models.nat import NAT
 from oracles import gelu_exact, layer_norm, linear, neighborhood_attention
+from tiny_models import NAT_SHALLOW as CFG, nat
+
+pytestmark = pytest.mark.floor  # also run on the lowest torch and timm admitted (.ci/floor)
 
 EPS = 1e-5  # the official LayerNorm eps (PyTorch's default)
 
@@ -54,13 +56,8 @@ def ref_nat(img, w, depths, heads, K, dilations, layer_scale):
     return linear(x.mean((1, 2)), w["head.fc.weight"], w["head.fc.bias"])
 
 
-CFG = dict(embed_dim=16, depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4), mlp_ratio=2.,
-           kernel_size=3, dilations=((2,), (1, 2), (2,), (1,)), num_classes=5, drop_path_rate=0.)
-
-
 def _model(layer_scale):
-    torch.manual_seed(0)
-    model = NAT(layer_scale=layer_scale, **CFG).double().eval()
+    model = nat(CFG, layer_scale=layer_scale).double()
     with torch.no_grad():
         for p in model.parameters():  # every weight distinct and far from its init
             p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))

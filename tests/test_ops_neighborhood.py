@@ -1,13 +1,16 @@
 """Tests of the neighborhood-attention ops (attnzoo.ops.neighborhood) and the backend switch.
 
-The oracle here is an independent brute force written from the spec (shared/specs/nat.md):
-plain Python loops over the queries, each window computed from the per-axis formula
+The oracle is an independent brute force written from the spec (shared/specs/nat.md,
+tests/oracles.py): plain Python loops over the queries, each window computed from the per-axis
+formula
 
     g = i % d, ip = i // d, Lg = ceil((L - g) / d), start = min(max(ip - K//2, 0), Lg - K),
     neighbours (start + t) * d + g,  t < K,
 
 logits q.k * scale + rpb[h, (ky - qy)/d + K - 1, (kx - qx)/d + K - 1] (bias unscaled), softmax
 over the K*K neighbourhood, weighted sum of v; in float64. Nothing from attnzoo.ops is reused.
+It checks the torch reference here; the reference checks every other backend on the op's
+registered cases (tests/test_ops_registry.py).
 """
 from __future__ import annotations
 
@@ -23,86 +26,25 @@ from attnzoo import backends, kernels
 from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import na1d, na2d
 from attnzoo.ops import neighborhood as nbh
+from oracles import na_window, neighborhood_attention
+
+pytestmark = pytest.mark.floor  # also run on the lowest torch and timm admitted (.ci/floor)
 
 
 # --------------------------------------------------------------------------------------------
-# global state hygiene
+# the independent brute force (tests/oracles.py)
 # --------------------------------------------------------------------------------------------
-
-@pytest.fixture(autouse=True)
-def _clean_backend_state(monkeypatch):
-    """Every test starts and ends with no process default, no env var, fresh caches."""
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    backends.set_backend(None)
-    backends._resolve.cache_clear()
-    yield
-    backends.set_backend(None)
-    backends._resolve.cache_clear()
-    nbh._natten.cache_clear()
-
-
-# --------------------------------------------------------------------------------------------
-# the independent brute force
-# --------------------------------------------------------------------------------------------
-
-def window(L: int, K: int, d: int, i: int) -> list:
-    """Key positions (along one axis) of query ``i``, straight from the spec formula."""
-    g = i % d
-    ip = i // d
-    Lg = -(-(L - g) // d)  # ceil((L - g) / d)
-    start = min(max(ip - K // 2, 0), Lg - K)
-    return [(start + t) * d + g for t in range(K)]
-
-
-def brute_na2d(q, k, v, kernel_size, dilation, rpb=None, scale=None):
-    """[B, H, W, heads, D] -> [B, H, W, heads, E]; a Python loop over every query."""
-    KH, KW = kernel_size
-    dh, dw = dilation
-    B, H, W, heads, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
-    rows = []
-    for y in range(H):
-        wy = window(H, KH, dh, y)
-        for x in range(W):
-            wx = window(W, KW, dw, x)
-            ys = torch.tensor([a for a in wy for _ in wx])
-            xs = torch.tensor([b for _ in wy for b in wx])
-            keys, vals = k[:, ys, xs], v[:, ys, xs]                      # [B, KK, heads, *]
-            logits = torch.einsum("bhd,bnhd->bhn", q[:, y, x] * scale, keys)
-            if rpb is not None:
-                ry = torch.tensor([(a - y) // dh + KH - 1 for a in wy for _ in wx])
-                rx = torch.tensor([(b - x) // dw + KW - 1 for _ in wy for b in wx])
-                logits = logits + rpb[:, ry, rx].to(logits.dtype)          # [heads, KK]
-            attn = logits.softmax(dim=-1)
-            rows.append(torch.einsum("bhn,bnhe->bhe", attn, vals))
-    return torch.stack(rows, dim=1).view(B, H, W, heads, v.shape[-1])
-
-
-def brute_na1d(q, k, v, K, d, rpb=None, scale=None):
-    """[B, L, heads, D] -> [B, L, heads, E]."""
-    B, L, heads, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
-    rows = []
-    for i in range(L):
-        wi = window(L, K, d, i)
-        idx = torch.tensor(wi)
-        logits = torch.einsum("bhd,bnhd->bhn", q[:, i] * scale, k[:, idx])
-        if rpb is not None:
-            logits = logits + rpb[:, torch.tensor([(j - i) // d + K - 1 for j in wi])]
-        rows.append(torch.einsum("bhn,bnhe->bhe", logits.softmax(-1), v[:, idx]))
-    return torch.stack(rows, dim=1)
-
 
 def test_window_formula_by_hand():
     """Guard the oracle itself against a hand-worked example."""
-    assert [window(5, 3, 1, i) for i in range(5)] == [
+    assert [na_window(5, 3, 1, i) for i in range(5)] == [
         [0, 1, 2], [0, 1, 2], [1, 2, 3], [2, 3, 4], [2, 3, 4]]
     # L=7, d=2: group 0 = 0,2,4,6 (Lg 4), group 1 = 1,3,5 (Lg 3, exactly K)
-    assert [window(7, 3, 2, i) for i in range(7)] == [
+    assert [na_window(7, 3, 2, i) for i in range(7)] == [
         [0, 2, 4], [1, 3, 5], [0, 2, 4], [1, 3, 5], [2, 4, 6], [1, 3, 5], [2, 4, 6]]
     for L, K, d in [(13, 5, 2), (23, 7, 3), (12, 3, 4)]:
         for i in range(L):
-            w = window(L, K, d, i)
+            w = na_window(L, K, d, i)
             assert len(set(w)) == K and i in w and all(0 <= j < L and j % d == i % d for j in w)
 
 
@@ -175,7 +117,7 @@ def test_na2d_torch_matches_brute_force(shape, kernel, dilation, use_rpb, scale,
 
     out = na2d(q, k, v, kernel_size=kernel, dilation=dilation, rpb=rpb, scale=scale,
                backend="torch")
-    expected = brute_na2d(q, k, v, ks, _pair(dilation), rpb, scale)
+    expected = neighborhood_attention(q, k, v, ks, dilation, rpb, scale)
     assert out.shape == expected.shape and out.dtype == torch.float64
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 
@@ -225,7 +167,7 @@ def test_large_scores_go_in_batch_slices(monkeypatch):
     out = na2d(q, k, v, kernel_size=7, rpb=rpb, backend="torch")
     monkeypatch.setattr(nbh.torch, "matmul", matmul)
     assert batches and max(batches) < 5 and sum(batches) == 5, batches
-    expected = brute_na2d(q, k, v, (7, 7), (1, 1), rpb)
+    expected = neighborhood_attention(q, k, v, (7, 7), (1, 1), rpb)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     inputs = (q, k, v, rpb)
     for name, g, e in zip("qkvr", grads_of(out, inputs), grads_of(expected, inputs)):
@@ -240,7 +182,7 @@ def test_na2d_noncontiguous_inputs():
     assert not q.is_contiguous()
     rpb = torch.randn(2, 5, 5, generator=g, dtype=torch.float64)
     out = na2d(q, k, v, kernel_size=3, dilation=(3, 2), rpb=rpb, backend="torch")
-    torch.testing.assert_close(out, brute_na2d(q, k, v, (3, 3), (3, 2), rpb), rtol=1e-10,
+    torch.testing.assert_close(out, neighborhood_attention(q, k, v, 3, (3, 2), rpb), rtol=1e-10,
                                atol=1e-10)
 
 
@@ -275,7 +217,7 @@ def test_na1d_torch_matches_brute_force(shape, kernel, dilation, use_rpb, scale)
     inputs = [t for t in (q, k, v, rpb) if t is not None]
     out = na1d(q, k, v, kernel_size=kernel, dilation=dilation, rpb=rpb, scale=scale,
                backend="torch")
-    expected = brute_na1d(q, k, v, kernel, dilation, rpb, scale)
+    expected = neighborhood_attention(q, k, v, kernel, dilation, rpb, scale)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     for g, e in zip(grads_of(out, inputs), grads_of(expected, inputs)):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10)
@@ -284,7 +226,7 @@ def test_na1d_torch_matches_brute_force(shape, kernel, dilation, use_rpb, scale)
 def test_na1d_accepts_tuple_args():
     q, k, v, _ = make_inputs((1, 9, 1, 4))
     torch.testing.assert_close(na1d(q, k, v, kernel_size=(3,), dilation=(2,)),
-                               brute_na1d(q, k, v, 3, 2))
+                               neighborhood_attention(q, k, v, 3, 2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,7 +274,6 @@ def test_na2d_low_precision_vs_float64(dtype, shape, kernel, dilation):
 @pytest.fixture
 def natten_fused():
     natten = pytest.importorskip("natten")
-    nbh._natten.cache_clear()
     module, api = nbh._natten()
     if api != "fused":
         pytest.skip(f"installed NATTEN {getattr(natten, '__version__', '?')} uses the {api!r} API")
@@ -377,7 +318,7 @@ def test_unknown_backend_name():
     q, k, v = _f32()
     with pytest.raises(ValueError, match="unknown backend 'tritonx'") as info:
         na2d(q, k, v, kernel_size=3, backend="tritonx")
-    for name in ("torch", "natten", "cuda", "auto"):
+    for name in backends.BACKENDS:
         assert name in str(info.value)
     with pytest.raises(TypeError):
         na2d(q, k, v, kernel_size=3, backend=1)
@@ -426,12 +367,10 @@ def test_natten_rejects_non_power_of_two_head_dim_on_cpu(natten_fused):
 
 @pytest.fixture
 def natten_missing(monkeypatch):
-    # A None entry in sys.modules makes `import natten` raise ImportError.
+    # A None entry in sys.modules makes `import natten` raise ImportError (probed afresh: the
+    # backend_state fixture forgot every probe before this).
     monkeypatch.setitem(sys.modules, "natten", None)
     monkeypatch.setitem(sys.modules, "natten.functional", None)
-    nbh._natten.cache_clear()
-    yield
-    nbh._natten.cache_clear()
 
 
 def test_natten_missing_message(natten_missing):
@@ -494,12 +433,10 @@ def test_rpb_errors():
 # backend selection precedence
 # --------------------------------------------------------------------------------------------
 
-ALL = ("torch", "natten", "cuda")
-
-
 @pytest.fixture
 def spy(monkeypatch):
-    """Make every backend of na1d/na2d supported and record which implementation runs."""
+    """Make every backend of na1d/na2d supported, auto prefer natten on CPU, and record which
+    implementation runs."""
     calls = []
 
     def make(name):
@@ -510,11 +447,11 @@ def spy(monkeypatch):
 
     for op in ("na1d", "na2d"):
         monkeypatch.setitem(backends._OPS, op, backends._OPS[op])  # restored afterwards
-        backends.register_op(op, backends={name: backends.Backend(make(name)) for name in ALL},
-                             macs=lambda *args: 0, order=lambda call: ("natten", "torch"),
-                             key_type=nbh.NACall)
-    yield calls
-    backends._resolve.cache_clear()
+        backends.register_op(op, backends={name: backends.Backend(make(name))
+                                           for name in backends.CONCRETE_BACKENDS},
+                             macs=lambda *args: 0, key_type=nbh.NACall)
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ("natten", "torch"))
+    return calls
 
 
 def _run2d(**kw):
@@ -610,11 +547,9 @@ def test_auto_on_cuda_order(natten_fused, monkeypatch):
     assert backends.resolve("na2d", no_rpb) == ("cuda" if verified else "natten")
     assert backends.resolve("na2d", with_rpb) == ("cuda" if verified else "torch")
     monkeypatch.setitem(sys.modules, "triton", None)
-    kernels.triton_missing.cache_clear()
-    backends._resolve.cache_clear()
+    backends.reset()  # Triton probed again
     assert backends.resolve("na2d", no_rpb) == "natten"   # without Triton
     assert backends.resolve("na2d", with_rpb) == "torch"
-    kernels.triton_missing.cache_clear()
 
 
 def test_invalid_names_fail_fast(monkeypatch):
@@ -648,7 +583,7 @@ def _fake_legacy_natten():
     calls = []
 
     def axis_tables(L, K, d):
-        idx = torch.tensor([window(L, K, d, i) for i in range(L)])            # [L, K]
+        idx = torch.tensor([na_window(L, K, d, i) for i in range(L)])         # [L, K]
         rel = (idx - torch.arange(L).unsqueeze(1)) // d + K - 1             # [L, K]
         return idx, rel
 
@@ -719,12 +654,8 @@ def legacy_natten(monkeypatch):
     natten, functional, calls = _fake_legacy_natten()
     monkeypatch.setitem(sys.modules, "natten", natten)
     monkeypatch.setitem(sys.modules, "natten.functional", functional)
-    nbh._natten.cache_clear()
-    backends._resolve.cache_clear()
     assert nbh._natten()[1] == "legacy"
-    yield calls
-    nbh._natten.cache_clear()
-    backends._resolve.cache_clear()
+    return calls
 
 
 @pytest.mark.parametrize("shape,kernel,dilation,scale", [
@@ -748,11 +679,11 @@ def test_legacy_natten_api_with_rpb(legacy_natten, shape, kernel, dilation, scal
 def test_legacy_natten_without_rpb_and_1d(legacy_natten):
     q, k, v, _ = make_inputs((1, 10, 12, 2, 4))
     torch.testing.assert_close(na2d(q, k, v, kernel_size=5, dilation=2, backend="natten"),
-                               brute_na2d(q, k, v, (5, 5), (2, 2)))
+                               neighborhood_attention(q, k, v, (5, 5), (2, 2)))
     q, k, v, rpb = make_inputs((2, 17, 3, 4), 5)
     torch.testing.assert_close(
         na1d(q, k, v, kernel_size=5, dilation=3, rpb=rpb, scale=0.4, backend="natten"),
-        brute_na1d(q, k, v, 5, 3, rpb, 0.4))
+        neighborhood_attention(q, k, v, 5, 3, rpb, 0.4))
     assert legacy_natten == ["na2d_qk", "na2d_av", "na1d_qk", "na1d_av"]
 
 

@@ -1,13 +1,14 @@
 """Tests of the QnA op (attnzoo.ops.qna2d) and its backends.
 
-The oracle is an independent brute force written from the spec (shared/specs/qna_vit.md): a
-Python loop over the output positions; for each, the in-bounds keys of the k x k window centred
-at input (i * stride, j * stride), a softmax per query and head over logit + rpb[offset], the
-softmax weights times window_weights[offset] times the values, summed over the window (and over
-the queries unless sum_queries=False); in float64. Nothing from attnzoo.ops is reused.
+The oracle is an independent brute force written from the spec (shared/specs/qna_vit.md,
+tests/oracles.py): a Python loop over the output positions; for each, the in-bounds keys of the
+k x k window centred at input (i * stride, j * stride), a softmax per query and head over
+logit + rpb[offset], the softmax weights times window_weights[offset] times the values, summed
+over the window (and over the queries unless sum_queries=False); in float64. Nothing from
+attnzoo.ops is reused. It checks the torch reference here; the reference checks every other
+backend on the op's registered cases (tests/test_ops_registry.py).
 """
 from __future__ import annotations
-
 
 import pytest
 import torch
@@ -19,36 +20,9 @@ from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import qna2d
 from attnzoo.ops import qna as qna_module
 from attnzoo.profiling import count_macs
+from oracles import qna as qna_brute_force
 
-
-@pytest.fixture(autouse=True)
-def _clean_backend_state(monkeypatch):
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    backends.set_backend(None)
-    backends._resolve.cache_clear()
-    yield
-    backends.set_backend(None)
-    backends._resolve.cache_clear()
-
-
-def brute_qna2d(logits, v, k, stride, rpb, ws, sum_queries=True):
-    B, H, W, L, h = logits.shape
-    r = k // 2
-    Ho, Wo = -(-H // stride), -(-W // stride)
-    rows = []
-    for i in range(Ho):
-        row = []
-        for j in range(Wo):
-            taps = [(a, b, i * stride + a - r, j * stride + b - r)
-                    for a in range(k) for b in range(k)]
-            taps = [t for t in taps if 0 <= t[2] < H and 0 <= t[3] < W]
-            z = torch.stack([logits[:, y, x] + rpb[:, :, a, b] for a, b, y, x in taps], -1)
-            weight = z.softmax(-1) * torch.stack([ws[:, :, a, b] for a, b, _, _ in taps], -1)
-            values = torch.stack([v[:, y, x] for _, _, y, x in taps], 1)   # [B, n, h, d]
-            row.append(torch.einsum('blhn,bnhd->blhd', weight, values))
-        rows.append(torch.stack(row, 1))
-    out = torch.stack(rows, 1)                                               # [B, Ho, Wo, L, h, d]
-    return out.sum(3) if sum_queries else out
+pytestmark = pytest.mark.floor  # also run on the lowest torch and timm admitted (.ci/floor)
 
 
 def _inputs(B, H, W, L, heads, d, k, dtype=torch.float64, seed=0, logit_scale=1.):
@@ -65,7 +39,7 @@ def _check_against_brute_force(B, H, W, L, heads, d, k, stride, sum_queries=True
     logits, v, rpb, ws = tensors
     out = qna2d(logits, v, kernel_size=k, stride=stride, rpb=rpb, window_weights=ws,
                 sum_queries=sum_queries, backend=backend)
-    ref = brute_qna2d(logits, v, k, stride, rpb, ws, sum_queries)
+    ref = qna_brute_force(logits, v, k, stride, rpb, ws, sum_queries)
     assert out.shape == ref.shape and out.dtype == torch.float64
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     probe = torch.randn_like(ref)
@@ -105,7 +79,7 @@ def test_each_form_against_brute_force():
     logits, v, rpb, ws = _inputs(2, 7, 6, 2, 3, 4, 5)
     for stride in (1, 2):
         for sum_queries in (True, False):
-            ref = brute_qna2d(logits, v, 5, stride, rpb, ws, sum_queries)
+            ref = qna_brute_force(logits, v, 5, stride, rpb, ws, sum_queries)
             shift = logits.amax((1, 2), keepdim=True) - 3.  # any per-map shift works here
             for out in (qna_module._conv_form_output(logits, v, rpb, ws, stride, sum_queries,
                                                      shift),
@@ -132,7 +106,7 @@ def _wide_range_logits(dtype):
 @pytest.mark.parametrize('stride', [1, 2])
 def test_wide_logit_range_float32_matches_float64(stride):
     logits, v, rpb, ws = _wide_range_logits(torch.float64)
-    ref = brute_qna2d(logits, v, 3, stride, rpb, ws)
+    ref = qna_brute_force(logits, v, 3, stride, rpb, ws)
     out = qna2d(logits.float(), v.float(), kernel_size=3, stride=stride, rpb=rpb.float(),
                 window_weights=ws.float())
     assert torch.isfinite(out).all()
@@ -146,11 +120,11 @@ def test_wide_logit_range_float32_matches_float64(stride):
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 def test_wide_logit_range_half_precision(dtype):
     logits, v, rpb, ws = _wide_range_logits(torch.float64)
-    ref = brute_qna2d(logits, v, 3, 1, rpb, ws)
+    ref = qna_brute_force(logits, v, 3, 1, rpb, ws)
     out = qna2d(logits.to(dtype), v.to(dtype), kernel_size=3, rpb=rpb, window_weights=ws)
     assert out.dtype == dtype and torch.isfinite(out).all()
     # the logits themselves are rounded to `dtype` (bf16: 8 bits of mantissa on values ~500)
-    rounded = brute_qna2d(logits.to(dtype).double(), v.to(dtype).double(), 3, 1, rpb, ws)
+    rounded = qna_brute_force(logits.to(dtype).double(), v.to(dtype).double(), 3, 1, rpb, ws)
     torch.testing.assert_close(out.double(), rounded, rtol=2e-2, atol=2e-2)
     assert ref.shape == out.shape
 
@@ -164,7 +138,7 @@ def test_autocast_inputs_finite_and_close(dtype):
         out = qna2d(logits.to(dtype), v.to(dtype), kernel_size=3, stride=2, rpb=rpb,
                     window_weights=ws)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    ref = brute_qna2d(logits.to(dtype).double(), v.to(dtype).double(), 3, 2, rpb.double(),
+    ref = qna_brute_force(logits.to(dtype).double(), v.to(dtype).double(), 3, 2, rpb.double(),
                       ws.double())
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
@@ -182,7 +156,7 @@ def test_defaults_without_bias_and_weights():
     zeros, ones = torch.zeros(2, 2, 3, 3, dtype=torch.float64), torch.ones(2, 2, 3, 3,
                                                                             dtype=torch.float64)
     torch.testing.assert_close(qna2d(logits, v, kernel_size=3),
-                               brute_qna2d(logits, v, 3, 1, zeros, ones))
+                               qna_brute_force(logits, v, 3, 1, zeros, ones))
 
 
 def test_noncontiguous_inputs():
@@ -191,7 +165,7 @@ def test_noncontiguous_inputs():
     vt = v.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
     assert not lt.is_contiguous() and not vt.is_contiguous()
     torch.testing.assert_close(qna2d(lt, vt, kernel_size=3, rpb=rpb, window_weights=ws),
-                               brute_qna2d(logits, v, 3, 1, rpb, ws))
+                               qna_brute_force(logits, v, 3, 1, rpb, ws))
 
 
 class _LargestTensor(TorchDispatchMode):

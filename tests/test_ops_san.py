@@ -1,10 +1,11 @@
 """Tests of SAN's ops (attnzoo.ops.san): aggregation, subtraction, subtraction2.
 
 The oracle is an independent brute force written from the spec (shared/specs/san.md) and the
-official CUDA kernels' index arithmetic: Python loops over every output position (ho, wo) and
-tap (kh, kw), reading input row ``ho*s - p + kh*d`` (``p = d*(k-1)/2``), reflected by hand
-(``-i`` below 0, ``2(H-1) - i`` past the end) or read as zero, in float64. Nothing from
-attnzoo.ops.san is reused.
+official CUDA kernels' index arithmetic (tests/oracles.py): for every output position (ho, wo)
+and tap (kh, kw), input row ``ho*s - p + kh*d`` (``p = d*(k-1)/2``), reflected by hand (``-i``
+below 0, ``2(H-1) - i`` past the end) or read as zero, in float64. Nothing from attnzoo.ops.san
+is reused. It checks the torch reference here; the reference checks every other backend on the
+ops' registered cases (tests/test_ops_registry.py).
 """
 from __future__ import annotations
 
@@ -16,78 +17,18 @@ from attnzoo import backends
 from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import san_aggregation, san_neighbours, san_subtraction, san_subtraction2
 from attnzoo.profiling import count_macs
+import oracles
 from oracles import reflect
 
-
-@pytest.fixture(autouse=True)
-def _clean_backend_state(monkeypatch):
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    backends.set_backend(None)
-    backends._resolve.cache_clear()
-    yield
-    backends.set_backend(None)
-    backends._resolve.cache_clear()
+pytestmark = pytest.mark.floor  # also run on the lowest torch and timm admitted (.ci/floor)
 
 
 # --------------------------------------------------------------------------------------------
-# the independent brute force
+# the independent brute force (tests/oracles.py)
 # --------------------------------------------------------------------------------------------
-
-def taps(H, W, k, d, s):
-    """For every output (ho, wo): the list of input (row, col) of its taps, row-major over
-    (kh, kw), unreflected; and the output size."""
-    kh_, kw_ = k
-    dh, dw = d
-    sh, sw = s
-    ph, pw = dh * (kh_ - 1) // 2, dw * (kw_ - 1) // 2
-    Ho, Wo = -(-H // sh), -(-W // sw)
-    table = {}
-    for ho in range(Ho):
-        for wo in range(Wo):
-            table[ho, wo] = [(ho * sh - ph + a * dh, wo * sw - pw + b * dw)
-                             for a in range(kh_) for b in range(kw_)]
-    return table, Ho, Wo
-
-
-def read(x, r, c, mode):
-    """x[:, :, r, c] with the spec's padding: ``[N, C]``."""
-    H, W = x.shape[-2:]
-    if mode == "zeros":
-        if 0 <= r < H and 0 <= c < W:
-            return x[:, :, r, c]
-        return torch.zeros_like(x[:, :, 0, 0])
-    return x[:, :, reflect(r, H), reflect(c, W)]
-
-
-def brute_subtraction2(x1, x2, k, d, s, mode):
-    """out[n, c, t, ho*Wo + wo] = x1[n, c, ho*s, wo*s] - x2(tap t)."""
-    H, W = x1.shape[-2:]
-    table, Ho, Wo = taps(H, W, k, d, s)
-    cols = []
-    for ho in range(Ho):
-        for wo in range(Wo):
-            centre = x1[:, :, ho * s[0], wo * s[1]]
-            cols.append(torch.stack([centre - read(x2, r, c, mode) for r, c in table[ho, wo]], 2))
-    return torch.stack(cols, 3)
-
-
-def brute_aggregation(x, w, k, d, s, mode):
-    """out[n, c, ho, wo] = sum_t w[n, c % Cw, t, ho*Wo + wo] * x(tap t)."""
-    N, C, H, W = x.shape
-    Cw = w.shape[1]
-    table, Ho, Wo = taps(H, W, k, d, s)
-    wc = w[:, [c % Cw for c in range(C)]]          # [N, C, kk, L]: interleaved sharing
-    out = []
-    for ho in range(Ho):
-        for wo in range(Wo):
-            i = ho * Wo + wo
-            out.append(sum(wc[:, :, t, i] * read(x, r, c, mode)
-                           for t, (r, c) in enumerate(table[ho, wo])))
-    return torch.stack(out, 2).view(N, C, Ho, Wo)
-
 
 def test_reflection_by_hand():
-    """Guard the oracle itself (oracles.reflect): ReflectionPad2d's indices, and one worked
+    """Guard the oracle itself: ReflectionPad2d's indices (oracles.reflect), and one worked
     aggregation."""
     assert [reflect(i, 5) for i in range(-3, 8)] == [3, 2, 1, 0, 1, 2, 3, 4, 3, 2, 1]
     ref = torch.nn.ReflectionPad2d(2)(torch.arange(20.).view(1, 1, 4, 5))
@@ -96,7 +37,7 @@ def test_reflection_by_hand():
     # a 1x3 map, a 1x3 footprint with tap weights 1, 2, 3 everywhere: the outer taps reflect
     x = torch.tensor([[[[1., 10., 100.]]]], dtype=torch.float64)
     w = torch.tensor([1., 2., 3.], dtype=torch.float64).view(1, 1, 3, 1).expand(1, 1, 3, 3)
-    out = brute_aggregation(x, w, (1, 3), (1, 1), (1, 1), "reflect")
+    out = oracles.san_aggregation(x, w, (1, 3), (1, 1), (1, 1), "reflect")
     assert out.flatten().tolist() == [1 * 10 + 2 * 1 + 3 * 10, 1 * 1 + 2 * 10 + 3 * 100,
                                       1 * 10 + 2 * 100 + 3 * 10]
 
@@ -142,21 +83,21 @@ def test_subtractions_match_brute_force(shape, k, d, s, mode):
     kw = dict(kernel_size=k, dilation=d, stride=s, padding_mode=mode, backend="torch")
 
     out = san_subtraction2(x1, x2, **kw)
-    expected = brute_subtraction2(x1, x2, k, d, s, mode)
+    expected = oracles.san_subtraction(x1, x2, k, d, s, mode)
     assert out.shape == expected.shape == (N, C, k[0] * k[1], -(-H // s[0]) * -(-W // s[1]))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for got, exp in zip(grads_of(out, [x1, x2]), grads_of(expected, [x1, x2])):
         torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
 
     out = san_subtraction(x2, **kw)
-    expected = brute_subtraction2(x2, x2, k, d, s, mode)
+    expected = oracles.san_subtraction(x2, x2, k, d, s, mode)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(grads_of(out, [x2])[0], grads_of(expected, [x2])[0],
                                rtol=1e-12, atol=1e-12)
     # the plain footprint gather: x2 at every tap
     torch.testing.assert_close(san_neighbours(x2, **{a: b for a, b in kw.items()
                                                      if a != "backend"}),
-                               brute_subtraction2(torch.zeros_like(x2), x2, k, d, s, mode).neg())
+                               oracles.san_footprint(x2, k, d, s, mode), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape,k,d,s,mode", CASES)
@@ -169,7 +110,7 @@ def test_aggregation_matches_brute_force(shape, k, d, s, mode):
     w = torch.randn(N, Cw, k[0] * k[1], L, generator=g, dtype=torch.float64, requires_grad=True)
     out = san_aggregation(x, w, kernel_size=k, dilation=d, stride=s, padding_mode=mode,
                           backend="torch")
-    expected = brute_aggregation(x, w, k, d, s, mode)
+    expected = oracles.san_aggregation(x, w, k, d, s, mode)
     assert out.shape == expected.shape == (N, C, -(-H // s[0]), -(-W // s[1]))
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     for name, got, exp in zip("xw", grads_of(out, [x, w]), grads_of(expected, [x, w])):
@@ -244,7 +185,7 @@ def _calls(**kw):
 
 @pytest.mark.parametrize("op", OPS)
 def test_backends(op):
-    assert set(backends._OPS[op].backends) == {"torch", "natten", "cuda"}
+    assert set(backends._OPS[op].backends) == set(backends.CONCRETE_BACKENDS)
     call = _calls()[op]
     torch.testing.assert_close(call(), _calls(backend="torch")[op]())  # auto -> torch on CPU
     with pytest.raises(BackendUnsupportedError, match="NATTEN has no") as info:

@@ -20,8 +20,10 @@ from attnzoo.models.quest_vit import TIMM_COUNTERPARTS, checkpoint_filter_fn, fr
 from attnzoo.profiling import count_params
 from checkpoint_layouts import deit3_official_manifest
 from hub_cache import offline_hf_cache, write_hf_cache
-from test_nat import _na_bruteforce
-from test_nat import _tiny as _nat_tiny  # a small DiNAT-style NAT
+from oracles import neighborhood_attention
+import tiny_models
+
+pytestmark = pytest.mark.floor  # also run on the lowest torch and timm admitted (.ci/floor)
 
 DIM, HEADS = 24, 3
 
@@ -501,13 +503,9 @@ def _vit_reference(model, img, deit3):
     return x[:, 0] @ sd['head.weight'].T + sd['head.bias']
 
 
-_TINY = dict(img_size=32, patch_size=8, embed_dim=24, depth=2, num_heads=3, num_classes=5)
-
-
 @pytest.mark.parametrize('name', ['quest_vit_tiny_patch16_224', 'quest_deit3_base_patch16_224'])
 def test_model_oracle(name):
-    torch.manual_seed(0)
-    model = timm.create_model(name, **_TINY).eval()
+    model = tiny_models.quest_vit(name)
     with torch.no_grad():
         for p in model.parameters():  # every weight matters, LayerScale gammas included
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0))
@@ -527,19 +525,14 @@ def test_model_oracle(name):
 # timm workflow on a tiny QUEST-ViT
 # ----------------------------------------------------------------------------------------------
 
-def _tiny_vit(**kwargs):
-    torch.manual_seed(0)
-    return timm.create_model('quest_deit3_base_patch16_224', **dict(_TINY, **kwargs)).eval()
-
-
 def test_dynamic_img_size_and_features():
-    model = _tiny_vit(dynamic_img_size=True)
+    model = tiny_models.quest_vit(dynamic_img_size=True)
     with torch.no_grad():
         assert model(torch.randn(1, 3, 40, 56)).shape == (1, 5)
         inter = model.forward_intermediates(torch.randn(1, 3, 40, 56), intermediates_only=True)
     assert [tuple(t.shape) for t in inter] == [(1, 24, 5, 7)] * 2
     feats = timm.create_model('quest_vit_tiny_patch16_224', features_only=True, out_indices=(1,),
-                              **dict(_TINY, num_classes=0))
+                              **dict(tiny_models.QUEST_VIT_TINY, num_classes=0))
     assert feats(torch.randn(1, 3, 32, 32))[0].shape == (1, 24, 4, 4)
 
 
@@ -547,7 +540,7 @@ def test_script_fx_compile_autocast_checkpointing():
     from timm.layers import get_notrace_functions, get_notrace_modules
     from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
-    model = _tiny_vit()
+    model = tiny_models.quest_vit()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref = model(x)
@@ -593,15 +586,15 @@ def _na_quest_reference(attn, x):
     q, k, v = attn.qkv(xp).reshape(*xp.shape[:3], 3, heads, dim // heads).unbind(3)
     k = k / k.norm(dim=-1, keepdim=True)
     rpb = attn.rpb if attn.rpb is not None else torch.zeros(heads, 2 * K - 1, 2 * K - 1)
-    out = _na_bruteforce(q, k, v, K, d, rpb, 1.0)
+    out = neighborhood_attention(q, k, v, K, d, rpb, 1.0)
     return attn.proj(out.flatten(-2)[:, :H, :W])
 
 
 def test_nat_quest_every_block_matches_bruteforce():
-    model = _nat_tiny(attn_norm='quest')
+    model = tiny_models.nat(attn_norm='quest')
     layers = [m for m in model.modules() if isinstance(m, NeighborhoodAttention2d)]
     assert len(layers) == 6 and all(m.attn_norm == 'quest' and m.scale == 1.0 for m in layers)
-    assert set(model.state_dict()) == set(_nat_tiny().state_dict())  # no new parameters
+    assert set(model.state_dict()) == set(tiny_models.nat().state_dict())  # no new parameters
     with torch.no_grad():
         for m in layers:
             m.qkv.weight.mul_(20)  # keys far from unit norm: the normalisation matters
@@ -732,6 +725,7 @@ def test_qna_vit_quest_option():
         timm.create_model('qna_vit_tiny', device='meta', attn_norm='qknorm')
 
 
+@pytest.mark.interpreter
 def test_nat_quest_on_the_cuda_backend():
     """The cuda backend (Triton; interpreted on CPU) runs QUEST's normalised keys and scale 1
     as the torch reference does, forward and backward."""
@@ -750,13 +744,11 @@ def test_nat_quest_on_the_cuda_backend():
         attn.rpb.normal_()
     x = torch.randn(1, 5, 6, 16, device=device)
     outs, grads = [], []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv('TRITON_INTERPRET', '1')
-        for backend in ('torch', 'cuda'):
-            with attnzoo.use_backend(backend):
-                out = attn(x)
-            outs.append(out)
-            grads.append(torch.autograd.grad(out.square().sum(), [attn.qkv.weight, attn.rpb]))
+    for backend in ('torch', 'cuda'):
+        with attnzoo.use_backend(backend):
+            out = attn(x)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), [attn.qkv.weight, attn.rpb]))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

@@ -16,7 +16,10 @@ from attnzoo.models.san import SAN, checkpoint_filter_fn
 from attnzoo.profiling import count_macs, count_params
 from checkpoint_layouts import san_official_manifest, san_to_official, san_training_checkpoint
 from hub_cache import offline_hf_cache
-from model_checks import check_compile_fullgraph, check_grad_checkpointing, check_torchscript_and_fx
+from model_checks import (check_autocast, check_bad_input_and_arguments,
+                          check_compile_fullgraph, check_forward_intermediates_and_prune,
+                          check_grad_checkpointing, check_head_contract, check_torchscript_and_fx)
+from tiny_models import SAN_SMALL, randomize, san, san_small
 
 VARIANTS = [f'san{n}_{t}' for n in (10, 15, 19) for t in ('pairwise', 'patchwise')]
 DEPTHS = {10: (2, 1, 2, 4, 1), 15: (3, 2, 3, 5, 2), 19: (3, 3, 4, 6, 3)}
@@ -33,41 +36,6 @@ SPEC = {
 def _meta(name, **kwargs):
     """Registered model on the meta device; shared, do not mutate."""
     return timm.create_model(name, device='meta', **kwargs).eval()
-
-
-TINY = dict(depths=(1, 2, 1, 1, 1), widths=(16, 32, 32, 64, 64), stem_width=8, share_planes=2,
-            num_classes=7)
-
-
-def _tiny(sa_type='pairwise', seed=0, **kwargs):
-    """Five stages of 8-64 channels: rel 1-4, Cw 2-8 weight channels (shared by 2)."""
-    torch.manual_seed(seed)
-    return SAN(sa_type=sa_type, **dict(TINY, **kwargs)).eval()
-
-
-SMALL = dict(TINY, depths=(1,) * 5, kernel_sizes=3)
-
-
-def _small(sa_type='pairwise', **kwargs):
-    """One block per stage and 3x3 footprints: inputs from 64 px (the contract tests)."""
-    return _tiny(sa_type, **dict(SMALL, **kwargs))
-
-
-def _randomize(model, seed=0):
-    """Every parameter and BN statistic random (biases, BN affine and running stats included),
-    so no term of the forward can hide behind an init of 0 or 1."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if not t.is_floating_point():
-                continue
-            if name.endswith('running_var'):
-                t.copy_(torch.rand(t.shape, generator=g) * 1.5 + 0.5)
-            elif name.endswith(('running_mean', '.bias')):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.2)
-            elif t.dim() == 1:  # BN weight
-                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
-    return model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,10 +127,12 @@ def test_gmacs_against_spec_table(name):
 
 def test_input_size_minimum():
     """Reflection by 3 in the last stage (7x7) needs its map >= 4 px: H // 32 >= 4."""
-    model = _tiny(depths=(1,) * 5)
+    model = san(depths=(1,) * 5)
     for size in ((96, 96), (127, 200), (200, 127)):
+        # the message says what lowers the minimum, and to what
         with pytest.raises(ValueError, match=r'at least 128x128 pixels.*got '
-                                             rf'{size[0]}x{size[1]}'):
+                                             rf"{size[0]}x{size[1]}; padding_mode='zeros'.*"
+                                             r'lowers it to 32 px'):
             model(torch.randn(1, 3, *size))
     with torch.no_grad():
         for size in ((128, 144), (161, 131)):
@@ -173,22 +143,14 @@ def test_input_size_minimum():
     assert all(timm.get_pretrained_cfg(n).min_input_size == (3, 128, 128) for n in VARIANTS)
     assert _meta('san19_patchwise').min_size == 128
     # zero padding has no such limit: 32 px (one pixel in the last stage)
-    zeros = _tiny(padding_mode='zeros', depths=(1,) * 5)
+    zeros = san(padding_mode='zeros', depths=(1,) * 5)
     assert zeros.min_size == 32 and zeros(torch.randn(1, 3, 32, 40)).shape == (1, 7)
-    with pytest.raises(ValueError, match='at least 32x32'):
+    with pytest.raises(ValueError, match=r'at least 32x32 pixels.*got 31x40$'):
         zeros(torch.randn(1, 3, 31, 40))
 
 
 def test_errors():
-    model = _tiny()
-    with pytest.raises(ValueError, match='in_chans=3.*1 channels'):
-        model(torch.randn(1, 1, 128, 128))
-    with pytest.raises(ValueError, match='4-D'):
-        model(torch.randn(3, 128, 128))
-    with pytest.raises(TypeError):
-        timm.create_model('san10_pairwise', device='meta', not_a_model_arg=1)
-    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
-        timm.create_model('san10_pairwise', device='meta', backend='bogus')
+    check_bad_input_and_arguments(san(), 'san10_pairwise', 128)
     with pytest.raises(ValueError, match='not a pairwise relation.*dot_product'):
         timm.create_model('san10_pairwise', device='meta', relation='star_product')
     with pytest.raises(ValueError, match="sa_type"):
@@ -211,24 +173,22 @@ def test_backends_through_the_model(monkeypatch):
         spied = dict(spec.backends, torch=backends.Backend(
             lambda *a, op=op, impl=impl: calls.append(op) or impl(*a)))
         monkeypatch.setitem(backends._OPS, op, spec._replace(backends=spied))
-    backends._resolve.cache_clear()
-    model = _small()
+    model = san_small()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad(), attnzoo.use_backend('torch'):
         model(x)
-    blocks = sum(SMALL['depths'])
+    blocks = sum(SAN_SMALL['depths'])
     assert sorted(set(calls)) == ['san_aggregation', 'san_subtraction', 'san_subtraction2']
     assert len(calls) == 3 * blocks
     calls.clear()
     with torch.no_grad():
-        _small('patchwise')(x)
+        san_small('patchwise')(x)
     assert calls == ['san_aggregation'] * blocks  # the patchwise gather is not an op
     for backend, reason in (('natten', 'NATTEN has no'), ('cuda', 'not implemented yet')):
         with pytest.raises(attnzoo.BackendUnsupportedError, match=reason):
-            _small(backend=backend)(x)
+            san_small(backend=backend)(x)
         with attnzoo.use_backend(backend), pytest.raises(attnzoo.BackendUnsupportedError):
             model(x)
-    backends._resolve.cache_clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +196,7 @@ def test_backends_through_the_model(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 def test_module_tree_follows_timm_layout():
-    model = _tiny()
+    model = san()
     assert [n for n, _ in model.named_children()] == ['stem', 'stages', 'norm', 'head']
     assert [n for n, _ in model.stages[1].named_children()] == ['downsample', 'blocks']
     assert isinstance(model.stages[0].downsample.norm, nn.Identity)  # the stem has BN + ReLU
@@ -251,36 +211,20 @@ def test_module_tree_follows_timm_layout():
 
 
 def test_head_contract():
-    model = _small()
-    x = torch.randn(2, 3, 64, 96)
-    with torch.no_grad():
-        feats = model.forward_features(x)
-        assert feats.shape == (2, model.num_features, 2, 3)  # NCHW, unpooled
-        pre = model.forward_head(feats, pre_logits=True)
-        torch.testing.assert_close(pre, feats.mean((2, 3)))  # official head: average pool
-        torch.testing.assert_close(model(x), model.get_classifier()(pre))
-        assert model.get_classifier() is model.head.fc
-        model.reset_classifier(0)
-        assert model(x).shape == (2, model.num_features) == (2, model.head_hidden_size)
-        model.reset_classifier(0, '')
-        torch.testing.assert_close(model(x), feats)
-    from timm.models._manipulate import group_parameters
-    groups = group_parameters(model, model.group_matcher(), reverse=True)
-    order = ['stem.conv.weight', 'stages.0.blocks.0.attn.conv1.weight',
-             'stages.1.downsample.norm.weight', 'stages.1.blocks.0.norm1.weight', 'norm.weight']
-    ids = [groups[n] for n in order]
-    assert ids == sorted(ids) and len(set(ids)) == 4 and ids[2] == ids[3]
+    check_head_contract(san_small(), torch.randn(2, 3, 64, 96), (2, 3), [  # official: avg pool
+        'stem.conv.weight', 'stages.0.blocks.0.attn.conv1.weight',
+        'stages.1.downsample.norm.weight', 'stages.1.blocks.0.norm1.weight', 'norm.weight'])
 
 
 @pytest.mark.parametrize('feature_cls', [None, 'getter', 'hook', 'fx'])
 def test_features_only_every_feature_cls(feature_cls, tmp_path):
     """Every timm feature extractor returns the same NCHW taps, each stage's output."""
     kwargs = {} if feature_cls is None else dict(feature_cls=feature_cls)
-    source = _small()
+    source = san_small()
     torch.save(source.state_dict(), tmp_path / 'weights.pth')
     model = timm.create_model('san10_pairwise', features_only=True, pretrained=True,
                               pretrained_cfg_overlay=dict(file=str(tmp_path / 'weights.pth')),
-                              **SMALL, **kwargs).eval()
+                              **SAN_SMALL, **kwargs).eval()
     assert model.feature_info.channels() == [16, 32, 32, 64, 64]
     assert model.feature_info.reduction() == [2, 4, 8, 16, 32]
     x = torch.randn(1, 3, 64, 72)
@@ -295,36 +239,23 @@ def test_features_only_every_feature_cls(feature_cls, tmp_path):
 
 
 def test_forward_intermediates_and_prune():
-    model = _small()
+    model = san_small()
     x = torch.randn(1, 3, 64, 64)
-    with torch.no_grad():
-        final, inter = model.forward_intermediates(x)
-        torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
-        nhwc = model.forward_intermediates(x, indices=2, output_fmt='NHWC',
-                                           intermediates_only=True)
-        for a, b in zip(inter[3:], nhwc):
-            torch.testing.assert_close(a, b.permute(0, 3, 1, 2))
-        normed = model.forward_intermediates(x, indices=1, norm=True, intermediates_only=True)
-        torch.testing.assert_close(normed[0], final)
-        early = model.forward_intermediates(x, indices=[1], stop_early=True,
-                                            intermediates_only=True)
-        torch.testing.assert_close(early[0], inter[1], rtol=0, atol=0)
-        pruned = copy.deepcopy(model)
-        assert pruned.prune_intermediate_layers([1], prune_norm=True) == [1]
-        torch.testing.assert_close(pruned.forward_features(x), inter[1], rtol=0, atol=0)
-        pruned.reset_classifier(0, 'avg')
-        assert pruned(x).shape == (1, model.feature_info[1]['num_chs'])
-        # pruned to stage 1 (3x3 at reduction 4), inputs from 8 px work
+    check_forward_intermediates_and_prune(model, x, [1])
+    pruned = copy.deepcopy(model)
+    pruned.prune_intermediate_layers([1], prune_norm=True)
+    pruned.reset_classifier(0, 'avg')
+    with torch.no_grad():  # pruned to stage 1 (3x3 at reduction 4), inputs from 8 px work
         assert pruned.min_size == 8 and pruned(torch.randn(1, 3, 8, 10)).shape == (1, 32)
 
 
 def test_grad_checkpointing_same_output():
-    check_grad_checkpointing(_tiny(kernel_sizes=3).train(), torch.randn(2, 3, 64, 64))
+    check_grad_checkpointing(san(kernel_sizes=3).train(), torch.randn(2, 3, 64, 64))
 
 
 @pytest.mark.parametrize('sa_type', ['pairwise', 'patchwise'])
 def test_torchscript_and_fx(sa_type):
-    fx = check_torchscript_and_fx(_small(sa_type), torch.randn(1, 3, 64, 72))
+    fx = check_torchscript_and_fx(san_small(sa_type), torch.randn(1, 3, 64, 72))
     # every SAN op is a leaf of the graph (its argument checks depend on shapes)
     ops = {n.args[0] for n in fx.graph.nodes
            if n.op == 'call_function' and getattr(n.target, '__name__', '') == 'sa_op'}
@@ -332,21 +263,18 @@ def test_torchscript_and_fx(sa_type):
                    else {'neighbours', 'aggregation'})
 
 
+@pytest.mark.floor
 def test_torch_compile_fullgraph_forward_backward():
     # pairwise: its path holds every kind of op the patchwise one has
-    check_compile_fullgraph(_small().train(), torch.randn(1, 3, 64, 72))
+    check_compile_fullgraph(san_small().train(), torch.randn(1, 3, 64, 72))
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_autocast_channels_last_meta(dtype):
-    model = _small()
+    model = san_small()
     x = torch.randn(2, 3, 64, 64)
+    ref = check_autocast(model, x, dtype)
     with torch.no_grad():
-        ref = model(x)
-        with torch.autocast('cpu', dtype=dtype):
-            out = model(x)
-        assert out.dtype == dtype
-        torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
         torch.testing.assert_close(model(x.contiguous(memory_format=torch.channels_last)), ref,
                                    rtol=1e-5, atol=1e-5)
         cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
@@ -383,7 +311,7 @@ def test_official_training_checkpoint_loads_and_reproduces(tmp_path):
     prefix, the state_dict wrapper) load with pretrained=True and a file overlay, and through
     attnzoo.convert, and give exactly the same outputs."""
     torch.manual_seed(1)
-    source = _randomize(timm.create_model('san10_pairwise')).eval()
+    source = randomize(timm.create_model('san10_pairwise')).eval()
     path = tmp_path / 'model_best.pth'
     torch.save(san_training_checkpoint(san_to_official(source.state_dict())), path)
     model = timm.create_model('san10_pairwise', pretrained=True,
@@ -402,13 +330,13 @@ def test_official_training_checkpoint_loads_and_reproduces(tmp_path):
 
 
 def test_filter_reports_mismatches(tmp_path):
-    pairwise = san_to_official(_tiny('pairwise').state_dict())
+    pairwise = san_to_official(san('pairwise').state_dict())
     with pytest.raises(ValueError, match=r'(?s)not in the model.*conv_p.*shape mismatch.*conv_w'):
-        checkpoint_filter_fn({'state_dict': pairwise}, _tiny('patchwise'))
-    sd = dict(_tiny().state_dict())
+        checkpoint_filter_fn({'state_dict': pairwise}, san('patchwise'))
+    sd = dict(san().state_dict())
     del sd['stages.2.blocks.0.attn.conv3.bias']
     with pytest.raises(ValueError, match=r'(?s)missing.*stages\.2\.blocks\.0\.attn\.conv3\.bias'):
-        checkpoint_filter_fn(sd, _tiny())
+        checkpoint_filter_fn(sd, san())
     torch.save({'state_dict': pairwise}, tmp_path / 'bad.pth')
     from attnzoo.hub import load_official
     with pytest.raises(ValueError, match='san10_patchwise|SAN'):

@@ -11,7 +11,9 @@ import torch
 from attnzoo.layers import SAM
 from checkpoint_layouts import san_to_official
 from oracles import batch_norm, reflect, relu
-from test_san import TINY, _randomize, _tiny
+from tiny_models import SAN_TINY, randomize, san
+
+pytestmark = pytest.mark.floor  # also run on the lowest torch and timm admitted (.ci/floor)
 
 BN_EPS = 1e-5  # PyTorch's BatchNorm2d default, which the official code uses
 
@@ -122,13 +124,13 @@ def o_san(x, sd, depths, kernels, sa_type, relation, share, training):
 def test_model_matches_oracle(sa_type, training):
     """The whole network against the oracle, float64, eval (running statistics) and train (batch
     statistics, where BN in conv_w pools over k*k*H*W) mode, on a non-square input."""
-    model = _randomize(_tiny(sa_type)).double().train(training)
+    model = randomize(san(sa_type)).double().train(training)
     sd = san_to_official(model.state_dict())
     x = torch.randn(2, 3, 128, 136, dtype=torch.float64)
     out = model(x)
     relation = 'subtraction' if sa_type == 'pairwise' else 'concatenation'  # the paper's
-    expected = o_san(x, sd, TINY['depths'], (3, 7, 7, 7, 7), sa_type, relation,
-                     TINY['share_planes'], training)
+    expected = o_san(x, sd, SAN_TINY['depths'], (3, 7, 7, 7, 7), sa_type, relation,
+                     SAN_TINY['share_planes'], training)
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
 
 
@@ -146,7 +148,7 @@ def test_sam_relations_match_oracle(sa_type, relation, k, stride):
     torch.manual_seed(0)
     sam = SAM(16, 4, 8, share_planes=4, kernel_size=k, stride=stride, sa_type=sa_type,
               relation=relation).double().train()
-    _randomize(sam)
+    randomize(sam)
     sd = sam.state_dict()
     x = torch.randn(2, 16, 9, 7, dtype=torch.float64, requires_grad=True)
     out = sam(x)

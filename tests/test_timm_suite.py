@@ -6,7 +6,9 @@ when this module is collected. Its tests are re-exported here so pytest collects
 module; tests/timm_suite/plugin.py (registered by tests/conftest.py) deselects every case that is
 not about one of our models and runs the rest offline. See tests/timm_suite/plugin.py for details.
 
-Opt out for quick local runs: ATTNZOO_SKIP_TIMM_SUITE=1. CI runs everything.
+Every case is in the ``timm_suite`` test tier (``-m "not timm_suite"`` leaves the suite out once
+collected; ATTNZOO_SKIP_TIMM_SUITE=1 does not even fetch it, for quick local runs). CI runs
+everything.
 """
 import pytest
 
@@ -16,3 +18,4 @@ if plugin.skip_requested():
     pytest.skip(f"{plugin.SKIP_ENV} is set: timm's own test suite not run", allow_module_level=True)
 
 globals().update(plugin.exported_names(plugin.load_suite()))
+pytestmark = pytest.mark.timm_suite  # timm's test_models.py sets no module marks of its own

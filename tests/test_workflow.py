@@ -6,6 +6,7 @@ import torch
 
 import attnzoo
 from attnzoo import backends
+from model_checks import check_autocast
 
 
 @pytest.fixture(scope="module")
@@ -16,14 +17,7 @@ def nat_mini():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_cpu(nat_mini, dtype):
-    nat_mini.eval()
-    x = torch.randn(2, 3, 64, 64)
-    with torch.no_grad():
-        ref = nat_mini(x)
-        with torch.autocast("cpu", dtype=dtype):
-            out = nat_mini(x)
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
+    check_autocast(nat_mini.eval(), torch.randn(2, 3, 64, 64), dtype)
 
 
 def test_channels_last_input(nat_mini):
@@ -43,7 +37,6 @@ def test_backend_switch_reaches_every_layer(nat_mini, monkeypatch):
     spied = dict(op.backends, torch=backends.Backend(
         lambda *a: calls.append("torch") or torch_impl(*a)))
     monkeypatch.setitem(backends._OPS, "na2d", op._replace(backends=spied))
-    backends._resolve.cache_clear()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad(), attnzoo.use_backend("torch"):
         nat_mini(x)

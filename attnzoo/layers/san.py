@@ -65,7 +65,9 @@ def sa_op(op: str, x: torch.Tensor, y: Optional[torch.Tensor], kernel_size: int,
 
 def sa_centre(x: torch.Tensor, stride: int) -> torch.Tensor:
     """``x`` at each output position (the footprint's centre), ``[N, C, 1, L]``."""
-    return x[:, :, ::stride, ::stride].reshape(x.shape[0], x.shape[1], 1, -1)
+    centre = x[:, :, ::stride, ::stride]
+    # sizes written out, never -1: an empty batch must reshape too (here and below)
+    return centre.reshape(x.shape[0], x.shape[1], 1, centre.shape[-2] * centre.shape[-1])
 
 
 @register_notrace_function
@@ -198,16 +200,15 @@ class SAM(nn.Module):
 
     def patchwise_relation(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         """``delta(x_R(i))``, ``[N, C, 1, L]``."""
-        N = x1.shape[0]
         centre = sa_centre(x1, self.stride)
         nbrs = self.neighbours(x2)                                        # [N, C, kk, L]
         if self.relation == 'concatenation':
-            return torch.cat([centre, nbrs.reshape(N, -1, 1, nbrs.shape[-1])], 1)
+            return torch.cat([centre, nbrs.flatten(1, 2).unsqueeze(2)], 1)
         if self.relation == 'star_product':
             return (centre * nbrs).sum(1).unsqueeze(2)
         # clique_product: every pair (j, k) of the footprint, index j * kk + k
         clique = torch.einsum('ncjl,nckl->njkl', self.neighbours(x1), nbrs)
-        return clique.reshape(N, -1, 1, nbrs.shape[-1])
+        return clique.flatten(1, 2).unsqueeze(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2, x3 = self.conv1(x), self.conv2(x), self.conv3(x)
@@ -219,6 +220,6 @@ class SAM(nn.Module):
             w = self.conv_w(r).softmax(dim=-2)
         else:
             w = self.conv_w(self.patchwise_relation(x1, x2))
-            w = w.reshape(w.shape[0], -1, self.taps, w.shape[-1])
+            w = w.unflatten(1, (w.shape[1] // self.taps, self.taps)).squeeze(3)
         # autocast runs the softmax in float32; the aggregation takes one dtype
         return self.op("aggregation", x3, w.to(x3.dtype))

@@ -3,6 +3,7 @@ policy (the project's Hub namespace, a clear error where weights cannot be had),
 unwrapping and checking, input checks, drop-path schedules."""
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
@@ -14,8 +15,8 @@ from timm.models._hub import HF_WEIGHTS_NAME, _get_safe_alternatives, hf_split
 from timm.models._pretrained import PretrainedCfg
 from timm.models._registry import get_pretrained_cfg
 
-__all__ = ["HUB_ORG", "hub_repo", "build_model", "unwrap_checkpoint", "rename_key",
-           "replace_prefix", "check_state_dict", "check_image_input", "per_stage"]
+__all__ = ["HUB_ORG", "hub_repo", "checkpoint_kind", "build_model", "unwrap_checkpoint",
+           "rename_key", "replace_prefix", "check_state_dict", "check_image_input", "per_stage"]
 
 # The project's namespace on the Hugging Face Hub, defined once: `attnzoo publish` puts tag
 # ``<model>.<tag>`` in ``HUB_ORG/<model>.<tag>``, the naming of timm's own ``timm/<model>.<tag>``.
@@ -25,6 +26,19 @@ HUB_ORG = 'attnzoo'
 def hub_repo(tag: str) -> str:
     """The project's Hub repo of a pretrained tag: ``attnzoo/qna_vit_tiny.in1k``."""
     return f'{HUB_ORG}/{tag}'
+
+
+def checkpoint_kind(path) -> Optional[str]:
+    """``'torch'`` or ``'safetensors'`` by the file's first bytes, else None (e.g. an official
+    Flax checkpoint, which needs ``attnzoo convert`` first)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04" or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        return "torch"  # torch.save: a zip archive, or a pickle (PROTO opcode, protocol 2-5)
+    # safetensors: little-endian u64 header length, then the JSON header
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 1:
+        return "safetensors"
+    return None
 
 
 def _resolved_cfg(variant: str, kwargs: Dict[str, Any]) -> PretrainedCfg:
@@ -98,6 +112,20 @@ def _check_hub_weights(tag: str, variant: str, cfg: PretrainedCfg) -> None:
                   f"{why}. " + _local_copy_advice(tag, variant, where + " where it is reachable"))
 
 
+def _check_local_file(tag: str, variant: str, path) -> None:
+    """A ``file=`` overlay that timm cannot load (not a torch / safetensors file: an
+    unconverted official checkpoint) raises here, naming the file and the fix, instead of an
+    error from deep inside ``torch.load``. (timm's ``local-dir:`` passes a folder: its own.)"""
+    path = os.fspath(path)
+    if os.path.isfile(path) and not path.endswith(".safetensors") \
+            and checkpoint_kind(path) is None:
+        raise ValueError(
+            f"{tag}: pretrained_cfg_overlay file {path!r} is not a torch or safetensors "
+            f"checkpoint (an official checkpoint in another format?); convert it first with "
+            f"`attnzoo convert {variant} {path} {variant}.safetensors` and pass "
+            f"file='{variant}.safetensors'")
+
+
 def build_model(model_cls: type, variant: str, pretrained: bool, *,
                 filter_fn: Callable[[Dict[str, Any], nn.Module], Dict[str, Any]],
                 feature_cfg: Optional[Dict[str, Any]] = None, no_weights_hint: str = "",
@@ -120,6 +148,8 @@ def build_model(model_cls: type, variant: str, pretrained: bool, *,
                 f"{tag}: no downloadable weights; pretrained=True would give a randomly "
                 f"initialised model. " + _local_copy_advice(tag, variant,
                                                             f"the official checkpoint{origin}"))
+        if cfg.file:
+            _check_local_file(tag, variant, cfg.file)
         _check_hub_weights(tag, variant, cfg)
     return build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
                                 feature_cfg=feature_cfg, **kwargs)
@@ -189,9 +219,11 @@ def check_state_dict(state_dict: Dict[str, Any], model: nn.Module,
 
 
 @register_notrace_function
-def check_image_input(x: torch.Tensor, in_chans: int, min_size: int = 1) -> torch.Tensor:
+def check_image_input(x: torch.Tensor, in_chans: int, min_size: int = 1,
+                      min_size_hint: str = "") -> torch.Tensor:
     """Reject non-image input, wrong channels and images below the architecture's minimum with
-    a clear ``ValueError`` (a plain function: FX keeps it as a leaf)."""
+    a clear ``ValueError`` (a plain function: FX keeps it as a leaf); ``min_size_hint`` ends
+    the last message (how to lower the minimum)."""
     if x.dim() != 4:
         raise ValueError(f"expected a 4-D NCHW image batch [B, in_chans, H, W], got a "
                          f"{x.dim()}-D tensor of shape {list(x.shape)}")
@@ -201,7 +233,7 @@ def check_image_input(x: torch.Tensor, in_chans: int, min_size: int = 1) -> torc
                          f"to create_model to change it")
     if x.shape[2] < min_size or x.shape[3] < min_size:
         raise ValueError(f"input images must be at least {min_size}x{min_size} pixels for this "
-                         f"architecture, got {x.shape[2]}x{x.shape[3]}")
+                         f"architecture, got {x.shape[2]}x{x.shape[3]}{min_size_hint}")
     return x
 
 

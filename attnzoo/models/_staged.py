@@ -81,7 +81,8 @@ class StagedModel(nn.Module):
             (``'stages.{i}'``); the last ``num_chs`` is ``num_features``.
         in_chans: input image channels (checked on every forward).
         min_size: the smallest input side the architecture accepts (a subclass whose minimum
-            depends on its stages updates it in :meth:`stages_pruned`).
+            depends on its stages updates it in :meth:`stages_pruned`; a subclass whose
+            minimum an option lowers says so in ``min_size_hint``).
         num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
         global_pool: ``'avg'`` (the official models), any timm ``SelectAdaptivePool2d`` type, or
             ``''`` (no pooling).
@@ -109,6 +110,7 @@ class StagedModel(nn.Module):
         self.in_chans = in_chans
         self.drop_rate = drop_rate
         self.min_size = min_size
+        self.min_size_hint = ''  # ends the too-small-input message: how to lower the minimum
         self.output_fmt = 'NCHW'
         self.feature_info = feature_info
         self.stem = stem
@@ -172,7 +174,7 @@ class StagedModel(nn.Module):
         assert output_fmt in ('NCHW', 'NHWC'), 'Output format must be NCHW or NHWC.'
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
-        x = check_image_input(x, self.in_chans, self.min_size)
+        x = check_image_input(x, self.in_chans, self.min_size, self.min_size_hint)
         x = self.stem(x)
         last_idx = len(self.stages) - 1
         if torch.jit.is_scripting() or not stop_early:  # can't slice modules in torchscript
@@ -217,7 +219,7 @@ class StagedModel(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Final normalised feature map, NCHW and unpooled."""
-        x = check_image_input(x, self.in_chans, self.min_size)
+        x = check_image_input(x, self.in_chans, self.min_size, self.min_size_hint)
         x = self.stem(x)
         x = self.stages(x)
         x = self.norm(x)

@@ -199,6 +199,7 @@ class SAN(StagedModel):
         # for stages_pruned
         self.kernel_sizes = kernel_sizes
         self.padding_mode = padding_mode
+        self.stages_pruned()
         # Official init: PyTorch's defaults everywhere (nothing to do).
 
     @torch.jit.ignore
@@ -207,7 +208,13 @@ class SAN(StagedModel):
 
     def stages_pruned(self) -> None:
         # Fewer stages, a smaller footprint at the last one: a smaller minimum input.
-        self.min_size = min_input_size(self.kernel_sizes[:len(self.stages)], self.padding_mode)
+        kernel_sizes = self.kernel_sizes[:len(self.stages)]
+        self.min_size = min_input_size(kernel_sizes, self.padding_mode)
+        if self.padding_mode == 'reflect':
+            self.min_size_hint = (
+                f"; padding_mode='zeros' (timm.create_model(..., padding_mode='zeros')) lowers "
+                f"it to {min_input_size(kernel_sizes, 'zeros')} px, but is not the official "
+                "models' padding")
 
 
 # --------------------------------------------------------------------------------------------

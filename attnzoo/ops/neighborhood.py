@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .. import backends
+from .. import backends, kernels
 
 __all__ = ["na1d", "na2d", "na_reference"]
 
@@ -51,7 +51,7 @@ def _as_tuple(value: IntOrTuple, n: int, name: str) -> Tuple[int, ...]:
     raise TypeError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
 
 
-def _check_call(q, k, v, kernel_size, dilation, rpb, n: int):
+def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
     """Validate an NA call; returns (kernel_size, dilation) as tuples."""
     fn = f"na{n}d"
     layout = "[B, L, heads, head_dim]" if n == 1 else "[B, H, W, heads, head_dim]"
@@ -65,6 +65,8 @@ def _check_call(q, k, v, kernel_size, dilation, rpb, n: int):
     if q.shape != k.shape or q.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"{fn}: q and k must have the same shape and v the same [B, *spatial, "
                          f"heads]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"{fn}: q and k need a head_dim >= 1, got shape {tuple(q.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError(f"{fn}: q, k, v must share dtype and device; got "
                          f"{q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
@@ -83,13 +85,16 @@ def _check_call(q, k, v, kernel_size, dilation, rpb, n: int):
                 "(pad the input, as NAT does for small images)")
     if rpb is not None:
         expected = (q.shape[-2],) + tuple(2 * K - 1 for K in ks)
-        if not isinstance(rpb, torch.Tensor):
-            raise TypeError(f"{fn}: rpb must be a torch.Tensor or None, got {type(rpb).__name__}")
+        if not isinstance(rpb, torch.Tensor) or not rpb.is_floating_point():
+            raise TypeError(f"{fn}: rpb must be a floating-point torch.Tensor or None, got "
+                            f"{rpb.dtype if isinstance(rpb, torch.Tensor) else type(rpb).__name__}")
         if tuple(rpb.shape) != expected:
             raise ValueError(f"{fn}: rpb must have shape [heads, 2K-1, ...] = {expected}, "
                              f"got {tuple(rpb.shape)}")
         if rpb.device != q.device:
             raise ValueError(f"{fn}: rpb is on {rpb.device} but q is on {q.device}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"{fn}: scale must be a float or None, got {scale!r}")
     return ks, dil
 
 
@@ -254,14 +259,19 @@ def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
     B, spatial, heads = q.shape[0], tuple(int(s) for s in q.shape[1:1 + n]), q.shape[-2]
     plan = _plan_constant(spatial, tuple(kernel_size), tuple(dilation), q.device, q.dtype)
 
+    # sizes written out, never -1: an empty batch must reshape too
+    N = math.prod(spatial)
+
     def tiled(x, index):  # [B, *spatial, heads, c] -> [B, heads * tiles, rows, c]
         c = x.shape[-1]
+        rows = (N if index is None else index.numel()) // plan.tiles
+        x = x.reshape(B, N, heads, c).transpose(1, 2)
         if index is None:  # tiles in natural order (a view when there is one tile)
-            return x.reshape(B, -1, heads, c).transpose(1, 2).reshape(B, heads * plan.tiles, -1, c)
+            return x.reshape(B, heads * plan.tiles, rows, c)
         # Head-major first (one copy of the map), then one gather of the tile rows straight
         # into SDPA's layout: key regions overlap, so this moves ~3x less than the reverse.
-        x = x.reshape(B, -1, heads, c).transpose(1, 2).reshape(B * heads, -1, c)
-        return _gather_rows(x, index).view(B, heads * plan.tiles, -1, c)
+        x = x.reshape(B * heads, N, c)
+        return _gather_rows(x, index).view(B, heads * plan.tiles, rows, c)
 
     qt, kt, vt = tiled(q, plan.q_index), tiled(k, plan.k_index), tiled(v, plan.k_index)
     bias = _bias(plan, rpb, heads, q.dtype)
@@ -272,7 +282,7 @@ def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
     out = out.reshape(B * heads, plan.tiles * plan.tq, v.shape[-1])  # contiguous: fast gather
     if plan.out_index is not None:
         out = _gather_rows(out, plan.out_index)
-    return out.view(B, heads, -1, v.shape[-1]).transpose(1, 2).reshape(
+    return out.view(B, heads, N, v.shape[-1]).transpose(1, 2).reshape(
         B, *spatial, heads, v.shape[-1])
 
 
@@ -302,9 +312,9 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[:, index]`` for ``x [G, M, r]``, as one gather along dim 0 of ``[G * M, r]``: on CPU
     ``index_select`` along an inner dim takes a serial path that is 10-20x slower (it was most of
     the NA reference's non-attention time), and so does its backward."""
-    G, M = x.shape[0], x.shape[1]
+    G, M, r = x.shape
     flat = (torch.arange(G, device=index.device) * M).unsqueeze(1) + index.unsqueeze(0)
-    return x.reshape(G * M, -1).index_select(0, flat.reshape(-1)).view(G, index.numel(), -1)
+    return x.reshape(G * M, r).index_select(0, flat.reshape(-1)).view(G, index.numel(), r)
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,6 +365,8 @@ def _natten_support(call: NACall) -> Optional[str]:
         return None
     if call.rpb:
         return "NATTEN >= 0.20 has no relative positional bias (rpb)"
+    if call.kernel_size and min(call.kernel_size) < 2:
+        return f"NATTEN >= 0.20 needs kernel_size >= 2, got {call.kernel_size}"
     if call.dtype not in _NATTEN_DTYPES:
         return f"NATTEN supports {', '.join(map(str, _NATTEN_DTYPES))}, not {call.dtype}"
     if _device_type(call) == "cpu":
@@ -396,7 +408,6 @@ def _na_natten(q, k, v, kernel_size, dilation, rpb, scale):
 # --------------------------------------------------------------------------------------------
 
 def _cuda_support(call: NACall) -> Optional[str]:
-    from .. import kernels
     reason = kernels.triton_missing()
     if reason is not None:
         return reason
@@ -410,33 +421,24 @@ def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):
     return na_fused(q, k, v, kernel_size, dilation, rpb, scale)
 
 
-def _kernels_verified(call: NACall) -> bool:
-    """Our kernels passed their GPU validation on this device's architecture (a record in
-    :data:`attnzoo.kernels.VERIFIED`; none until they have run on a GPU)."""
+def _kernels_trusted(call: NACall) -> Optional[str]:
+    """``auto`` runs our kernels only on GPU architectures where they passed their validation (a
+    record in :data:`attnzoo.kernels.VERIFIED`; none until they have run on a GPU); an explicit
+    ``backend="cuda"`` always runs them."""
     from .. import kernels
-    if kernels.triton_missing() is not None or not torch.cuda.is_available():
-        return False
+    if _device_type(call) != "cuda":
+        return "Triton's interpreter (CPU tensors) is for tests"
+    if kernels.verified("neighborhood", call.device) is not None:
+        return None
     info = kernels.device_info(call.device)
-    if kernels.verified("neighborhood", call.device) is None:
-        _note_unverified(info.arch, info.name)
-        return False
-    return True
+    _note_unverified(info.arch, info.name)
+    return f"the cuda NA kernels have not been verified on {info.arch} ({info.name})"
 
 
 @functools.lru_cache(maxsize=None)
 def _note_unverified(arch: str, gpu: str) -> None:  # once per architecture and process
     _logger.info("attnzoo: the cuda NA kernels have not been verified on %s (%s): auto runs NA "
                  "on natten or torch there; backend='cuda' runs them", arch, gpu)
-
-
-def _auto_order(call: NACall) -> Tuple[str, ...]:
-    # On CPU the tiled torch reference is 10-40x faster than NATTEN's unfused Flex path (and
-    # the Triton interpreter is for tests only). On CUDA our fused kernels come first where
-    # they have been verified on the GPU's architecture: they also take the rpb, which NATTEN
-    # >= 0.20 does not.
-    if _device_type(call) != "cuda":
-        return ("torch",)
-    return ("cuda", "natten", "torch") if _kernels_verified(call) else ("natten", "torch")
 
 
 def _na_macs(q, k, v, kernel_size, dilation, rpb, scale) -> int:
@@ -471,12 +473,47 @@ def _examples(n: int):
     return examples
 
 
+# Check cases: (label, [B, *spatial, heads, head_dim], kernel_size, dilation, rpb, scale, v_dim).
+# Small enough for Triton's interpreter; between them: clamped windows at every border, dilation
+# groups of unequal length, non-square kernels, kernel_size * dilation equal to the map, several
+# reference tiles per group, kernel 1, batch 2, two heads, a scale, a value dim unlike the head
+# dim, and calls without rpb at power-of-two head dims (which NATTEN's CPU path takes).
+_CASES = {
+    2: [("9x11 k3 d(2,1) rpb scale", (1, 9, 11, 1, 8), 3, (2, 1), True, 0.7, None),
+        ("7x10 k(5,3) d(1,3)", (1, 7, 10, 1, 16), (5, 3), (1, 3), False, None, None),
+        ("10x10 k5 d2=map rpb vdim12", (1, 10, 10, 1, 8), 5, 2, True, None, 12),
+        ("17x6 k3 tiles", (1, 17, 6, 1, 8), 3, 1, False, None, None),
+        ("5x6 k1 d(2,1) rpb h2", (1, 5, 6, 2, 4), 1, (2, 1), True, None, None)],
+    1: [("40 k7 rpb h2 tiles", (1, 40, 2, 8), 7, 1, True, None, None),
+        ("19 k5 d3 scale b2", (2, 19, 1, 16), 5, 3, False, 0.5, None),
+        ("12 k3 d4=map rpb", (1, 12, 1, 4), 3, 4, True, None, None)],
+}
+
+
+def _cases(n: int):
+    def cases(device, dtype):
+        out = []
+        for label, shape, kernel_size, dilation, rpb, scale, v_dim in _CASES[n]:
+            ks = _as_tuple(kernel_size, n, "kernel_size")
+            shapes = [shape, shape, shape[:-1] + (v_dim or shape[-1],)]
+            if rpb:
+                shapes.append((shape[-2],) + tuple(2 * K - 1 for K in ks))
+
+            def call(q, k, v, rpb=None, *, backend, ks=ks, dil=dilation, scale=scale):
+                return (na2d if n == 2 else na1d)(q, k, v, kernel_size=ks, dilation=dil,
+                                                  rpb=rpb, scale=scale, backend=backend)
+            out.append(backends.Case(label, backends.case_inputs(shapes, device, dtype), call))
+        return out
+    return cases
+
+
 for _n in (1, 2):
     backends.register_op(
-        f"na{_n}d", key_type=NACall, order=_auto_order, macs=_na_macs, examples=_examples(_n),
+        f"na{_n}d", key_type=NACall, macs=_na_macs, examples=_examples(_n), cases=_cases(_n),
         backends={"torch": backends.Backend(na_reference),
                   "natten": backends.Backend(_na_natten, _natten_support),
-                  "cuda": backends.Backend(_na_cuda, _cuda_support)})
+                  "cuda": backends.Backend(_na_cuda, _cuda_support, _kernels_trusted)})
+backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear)
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,7 +521,7 @@ for _n in (1, 2):
 # --------------------------------------------------------------------------------------------
 
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
-    ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, n)
+    ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and any(
@@ -504,7 +541,7 @@ def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntO
         dilation: dilation (int or ``(dh, dw)``).
         rpb: optional relative positional bias ``[heads, 2kh-1, 2kw-1]``, added unscaled.
         scale: logit scale applied to q (default ``head_dim ** -0.5``).
-        backend: ``"torch" | "natten" | "cuda" | "auto"``; ``None`` follows
+        backend: one of :data:`attnzoo.backends.BACKENDS`; ``None`` follows
             :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
 
     Returns:

@@ -78,7 +78,8 @@ def _map_max_if_exact(logits: torch.Tensor, rpb: torch.Tensor, stride: int
     hi = flat.amax(1).view(B, W, L, h).amax(1)                        # [B, L, h]
     lo = flat.amin(1).view(B, W, L, h).amin(1)
     spread = rpb.amax((-2, -1)) - rpb.amin((-2, -1))                 # [L, h]
-    exact = float((hi - lo + spread).max()) < limit  # no window can be that far down: usual
+    # no window can be that far down: the usual case (and an empty batch's)
+    exact = hi.numel() == 0 or float((hi - lo + spread).max()) < limit
     if not exact:  # per window: its max logit (max-pool pads with -inf: out-of-bounds excluded)
         window_max = F.max_pool2d(logits.reshape(B, H, W, L * h).permute(0, 3, 1, 2), k, stride,
                                   (k - 1) // 2)                      # [B, L*h, Ho, Wo]
@@ -359,10 +360,6 @@ def _qna_cuda(*args):  # pragma: no cover - unreachable: the support check alway
     raise backends.BackendUnsupportedError("attnzoo's Triton qna2d kernel is not implemented yet")
 
 
-def _auto_order(call: QnACall) -> Tuple[str, ...]:
-    return ("cuda", "torch") if call.device == "cuda" else ("torch",)
-
-
 def _qna_macs(logits, v, rpb, window_weights, kernel_size, stride, sum_queries) -> int:
     """The window sums of the convolution form, numerator and denominator:
     ``B * H_out * W_out * L * heads * (head_dim + 1) * k * k``."""
@@ -394,8 +391,36 @@ def _examples(device, dtype):
     return out
 
 
+# Check cases: (label, (B, H, W, L, heads, head_dim), k, stride, sum_queries, rpb and window
+# weights, logit scale). Between them: odd and non-square maps, stride 2 on even and odd sizes,
+# windows larger than the map, unsummed queries, the defaults (no rpb, no window weights), and
+# logits wide enough for float32 to take the per-window form.
+_CASES = [
+    ("2x7x9 L2 h3 k3", (2, 7, 9, 2, 3, 4), 3, 1, True, True, 1.),
+    ("8x5 L1 h1 k3 s2", (1, 8, 5, 1, 1, 3), 3, 2, True, True, 1.),
+    ("6x7 L2 k5 s2 unsummed", (1, 6, 7, 2, 2, 3), 5, 2, False, True, 1.),
+    ("5x6 k7>map defaults", (1, 5, 6, 2, 2, 2), 7, 1, True, False, 1.),
+    ("7x8 k3 s2 logits x20", (1, 7, 8, 2, 2, 3), 3, 2, True, True, 20.),
+]
+
+
+def _cases(device, dtype):
+    out = []
+    for label, (B, H, W, L, h, d), k, stride, sum_queries, bias, scale in _CASES:
+        shapes = [(B, H, W, L, h), (B, H, W, h, d)] + [(L, h, k, k)] * (2 if bias else 0)
+        logits, *rest = backends.case_inputs(shapes, device, dtype)
+
+        def call(logits, v, rpb=None, window_weights=None, *, backend, k=k, stride=stride,
+                 sum_queries=sum_queries):
+            return qna2d(logits, v, kernel_size=k, stride=stride, rpb=rpb,
+                         window_weights=window_weights, sum_queries=sum_queries,
+                         backend=backend)
+        out.append(backends.Case(label, (logits * scale, *rest), call))
+    return out
+
+
 backends.register_op(
-    "qna2d", key_type=QnACall, order=_auto_order, macs=_qna_macs, examples=_examples,
+    "qna2d", key_type=QnACall, macs=_qna_macs, examples=_examples, cases=_cases,
     backends={"torch": backends.Backend(qna2d_reference),
               "natten": backends.Backend(qna2d_reference, _natten_support),
               "cuda": backends.Backend(_qna_cuda, _cuda_support)})
@@ -466,8 +491,8 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
             offset in the numerator only (``None``: ones, each query a plain softmax average).
         sum_queries: sum the ``L`` per-query results (QnA) or return them separately
             (QnA upsampling).
-        backend: ``"torch" | "cuda" | "auto"`` (``"natten"`` cannot express QnA and raises
-            :class:`~attnzoo.BackendUnsupportedError`); ``None`` follows
+        backend: one of :data:`attnzoo.backends.BACKENDS` (``natten`` cannot express QnA and
+            raises :class:`~attnzoo.BackendUnsupportedError`); ``None`` follows
             :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
 
     Returns:

@@ -146,13 +146,14 @@ def _pad(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
 def _centre(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     """``x`` at every output position's centre tap, ``[N, C, 1, L]``."""
     sh, sw = fp.stride
-    return x[:, :, ::sh, ::sw].reshape(x.shape[0], x.shape[1], 1, -1)
+    centre = x[:, :, ::sh, ::sw]
+    return centre.reshape(x.shape[0], x.shape[1], 1, centre.shape[-2] * centre.shape[-1])
 
 
 def _neighbours(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     """Every output position's footprint of ``x``, ``[N, C, kk, L]``."""
     cols = F.unfold(_pad(x, fp), fp.kernel_size, dilation=fp.dilation, stride=fp.stride)
-    return cols.view(x.shape[0], x.shape[1], fp.taps, -1)
+    return cols.view(x.shape[0], x.shape[1], fp.taps, cols.shape[-1])
 
 
 def subtraction_reference(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
@@ -265,10 +266,6 @@ def _unreachable(op: str, backend: str):
     return impl
 
 
-def _auto_order(call: SANCall) -> Tuple[str, ...]:
-    return ("cuda", "torch") if call.device == "cuda" else ("torch",)
-
-
 def _subtraction_macs(x: torch.Tensor, fp: Footprint) -> int:
     """One subtraction per output element, as SAN's official counter (util/complexity.py)."""
     return x.shape[0] * x.shape[1] * fp.taps * _positions(x, fp)
@@ -320,11 +317,45 @@ def _examples(op: str):
     return examples
 
 
+# Check cases: (label, (N, C, Cw, H, W), kernel_size, dilation, stride, padding_mode); the same
+# footprints for the three ops. Between them: kernels 3, 5, 7 and non-square, dilation and
+# stride 1 and 2 per axis, odd and non-square maps, maps just large enough for one reflection,
+# and zero padding on maps smaller than the footprint.
+_CASES = [
+    ("2x4x7x9 k3", (2, 4, 2, 7, 9), 3, 1, 1, "reflect"),
+    ("6x9x8 k5 d2 s2", (1, 6, 3, 9, 8), 5, 2, 2, "reflect"),
+    ("4x5x8 k(3,5) d(2,1) s(1,2)", (1, 4, 2, 5, 8), (3, 5), (2, 1), (1, 2), "reflect"),
+    ("8x4x7 k7 minimal", (1, 8, 4, 4, 7), 7, 1, 1, "reflect"),
+    ("2x4x5x6 k7 zeros", (2, 4, 2, 5, 6), 7, 1, 1, "zeros"),
+    ("6x3x7 k5 d2 s2 zeros", (1, 6, 2, 3, 7), 5, 2, 2, "zeros"),
+]
+
+
+def _cases(op: str):
+    def cases(device, dtype):
+        out = []
+        for label, (N, C, Cw, H, W), k, d, s, mode in _CASES:
+            geometry = dict(kernel_size=k, dilation=d, stride=s, padding_mode=mode)
+            if op == "san_aggregation":
+                (kh, kw), (sh, sw) = _pair(k, "kernel_size", op), _pair(s, "stride", op)
+                taps = (N, Cw, kh * kw, -(-H // sh) * -(-W // sw))
+                shapes, fn = [(N, C, H, W), taps], san_aggregation
+            else:
+                fn = san_subtraction2 if op == "san_subtraction2" else san_subtraction
+                shapes = [(N, C, H, W)] * (2 if op == "san_subtraction2" else 1)
+
+            def call(*tensors, backend, fn=fn, geometry=geometry):
+                return fn(*tensors, backend=backend, **geometry)
+            out.append(backends.Case(label, backends.case_inputs(shapes, device, dtype), call))
+        return out
+    return cases
+
+
 for _name, _impl, _macs in (("san_aggregation", aggregation_reference, _aggregation_macs),
                             ("san_subtraction", subtraction_reference, _subtraction_macs),
                             ("san_subtraction2", subtraction2_reference, _subtraction2_macs)):
     backends.register_op(
-        _name, key_type=SANCall, order=_auto_order, macs=_macs, examples=_examples(_name),
+        _name, key_type=SANCall, macs=_macs, examples=_examples(_name), cases=_cases(_name),
         backends={"torch": backends.Backend(_impl),
                   "natten": backends.Backend(_unreachable(_name, "natten"), _natten_support(_name)),
                   "cuda": backends.Backend(_unreachable(_name, "cuda"), _cuda_support(_name))})
@@ -351,7 +382,7 @@ def san_subtraction(x: torch.Tensor, *, kernel_size: IntOrPair, dilation: IntOrP
         dilation, stride: int or pair.
         padding_mode: ``'reflect'`` (SAN's; needs ``H, W > dilation * (kernel_size - 1) / 2``)
             or ``'zeros'``.
-        backend: ``"torch" | "natten" | "cuda" | "auto"``; ``None`` follows
+        backend: one of :data:`attnzoo.backends.BACKENDS`; ``None`` follows
             :func:`attnzoo.use_backend` / :func:`attnzoo.set_backend` / ``ATTNZOO_BACKEND``.
 
     Returns:

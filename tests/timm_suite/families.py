@@ -49,6 +49,10 @@ CORE_TESTS = frozenset({
     "test_model_forward_torchscript", "test_model_load_pretrained",
 })
 
+# The smallest NAT and DiNAT models: timm's suite on them is in the `floor` test tier (CI runs it
+# on the lowest torch and timm admitted, .ci/floor; tests/conftest.py marks the cases).
+FLOOR_MODELS = ("nat_mini", "dinat_mini")
+
 # timm's own CI leaves its biggest models out of the suite by these name patterns
 # (test_models.py, under GITHUB_ACTIONS); ours get the same treatment in the default tier.
 SIZE_EXCLUDE = ("*huge*", "*giant*", "*gigantic*", "*enormous*", "*_1b_*", "*_3b_*", "*_5b_*",
