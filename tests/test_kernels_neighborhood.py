@@ -400,8 +400,8 @@ def test_auto_never_picks_a_backend_that_cannot_run(natten_state, triton_state, 
             assert f"auto backend for {op}{call} -> {choice}" in caplog.text  # says what it picked
             if call.device == "cpu":
                 assert choice == "torch", call  # never the interpreter, never NATTEN's CPU path
-            elif nbh._kernels_verified(call) and backends.available_backends(op, call)["cuda"] \
-                    is None:
+            elif backends.available_backends(op, call)["cuda"] is None \
+                    and backends._OPS[op].backends["cuda"].trusted(call) is None:
                 assert choice == "cuda", call
             elif natten_state == "natten" and not call.rpb and call.dtype != torch.float64:
                 assert choice == "natten", call

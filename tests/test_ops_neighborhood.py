@@ -543,7 +543,8 @@ def test_auto_on_cuda_order(natten_fused, monkeypatch):
     with_rpb = nbh.NACall(2, "cuda", torch.float16, 32, True, True)
     # our fused kernels first where verified on the GPU's architecture (none here: simulated in
     # tests/test_kernels_neighborhood.py), with or without rpb
-    verified = nbh._kernels_verified(no_rpb)
+    cuda = backends._OPS["na2d"].backends["cuda"]
+    verified = cuda.support(no_rpb) is None and cuda.trusted(no_rpb) is None
     assert backends.resolve("na2d", no_rpb) == ("cuda" if verified else "natten")
     assert backends.resolve("na2d", with_rpb) == ("cuda" if verified else "torch")
     monkeypatch.setitem(sys.modules, "triton", None)

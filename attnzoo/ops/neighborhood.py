@@ -426,8 +426,8 @@ def _kernels_trusted(call: NACall) -> Optional[str]:
     record in :data:`attnzoo.kernels.VERIFIED`; none until they have run on a GPU); an explicit
     ``backend="cuda"`` always runs them."""
     from .. import kernels
-    if _device_type(call) != "cuda":
-        return "Triton's interpreter (CPU tensors) is for tests"
+    if _device_type(call) != "cuda" or not torch.cuda.is_available():
+        return "no GPU here (Triton's interpreter is for tests)"
     if kernels.verified("neighborhood", call.device) is not None:
         return None
     info = kernels.device_info(call.device)
