@@ -63,7 +63,7 @@ ENV_VAR = "ATTNZOO_BACKEND"
 # auto's preference per device type of the call, fastest first; a backend that cannot run the
 # call (or that an op does not implement) is passed over, and the torch reference comes last.
 # On CUDA, attnzoo's fused kernels come first (they also take NAT's rpb, which NATTEN >= 0.20 does
-# not). On CPU (and any device not listed) only the reference: NA's tiled reference is 10-40x
+# not) where their backend trusts them (``Backend.trusted``: verified on the GPU's architecture). On CPU (and any device not listed) only the reference: NA's tiled reference is 10-40x
 # faster than NATTEN's unfused CPU path (scripts/bench_ops.py); the Triton interpreter is for tests.
 AUTO_ORDER: Dict[str, Tuple[str, ...]] = {"cuda": ("cuda", "natten", "torch"), "cpu": ("torch",)}
 
@@ -193,9 +193,12 @@ def _always(key: tuple) -> Optional[str]:
 
 
 class Backend(NamedTuple):
-    """One backend of an op: ``impl(*args)`` and ``support(key) -> None | reason``."""
+    """One backend of an op: ``impl(*args)`` and ``support(key) -> None | reason``;
+    ``trusted(key) -> None | reason`` is what ``auto`` asks on top (a kernel not yet verified
+    on the call's GPU is left to an explicit request)."""
     impl: Callable[..., Any]
     support: Callable[[tuple], Optional[str]] = _always
+    trusted: Callable[[tuple], Optional[str]] = _always
 
 
 # ``examples(device, dtype)`` -> [(label, run)], ``run(backend)`` calling the public op at a
@@ -298,8 +301,11 @@ def supported_backends(op: str, key: tuple) -> Tuple[str, ...]:
 def _resolve(op: str, key: tuple, requested: str) -> str:
     spec = _op(op)
     if requested == "auto":
-        for name in AUTO_ORDER.get(getattr(key, "device", None), ("torch",)):
-            if name in spec.backends and spec.backends[name].support(key) is None:
+        device = getattr(key, "device", None)
+        device = torch.device(device).type if device is not None else None  # "cuda:1" -> cuda
+        for name in AUTO_ORDER.get(device, ("torch",)):
+            backend = spec.backends.get(name)
+            if backend and backend.support(key) is None and backend.trusted(key) is None:
                 _logger.debug("attnzoo: auto backend for %s%s -> %s", op, key, name)
                 return name
         reasons = "; ".join(f"{b}: {r}" for b, r in available_backends(op, key).items())
@@ -339,17 +345,27 @@ def _choose(op: str, fields: tuple, requested: Optional[str]) -> str:
 _choose.__name__ = "_attnzoo_chosen_backend"
 
 
-def resolve(op: str, key: tuple, backend: Optional[str] = None) -> str:
+def resolve(op: str, key: tuple, backend: Optional[str] = None,
+            args: Sequence[Any] = ()) -> str:
     """The concrete backend that will run ``op`` for call ``key`` (cached per call key).
 
     ``backend`` is the explicit argument (``None``: context/process/env/auto). Raises
     :class:`BackendUnsupportedError` when an explicitly requested backend cannot run the call,
-    naming the backends that can; ``auto`` falls back to the torch reference last.
+    naming the backends that can and describing the call's ``args`` (shapes, dtypes, devices);
+    ``auto`` falls back to the torch reference last.
     """
     choice = _choose(op, tuple(key), _requested(backend))
     if choice.startswith("!"):
-        raise _ERRORS[choice[1]](choice[2:])
+        message = choice[2:]
+        if choice[1] == "U" and args:
+            message += f" The call: {op}({_describe(args)})."
+        raise _ERRORS[choice[1]](message)
     return choice
+
+
+def _describe(args: Sequence[Any]) -> str:
+    return ", ".join(f"{str(a.dtype).replace('torch.', '')}{list(a.shape)} on {a.device}"
+                     if isinstance(a, torch.Tensor) else repr(a) for a in args)
 
 
 # Context-manager factories ``observer(op, backend, macs)`` entered around every dispatched call
@@ -391,7 +407,7 @@ def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
     spec = _OPS[op]
     if exporting():
         return spec.export(*args)
-    name = resolve(op, key, backend)
+    name = resolve(op, key, backend, args)
     empty = any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
     impl = spec.backends["torch" if empty else name].impl
     if not _observers:

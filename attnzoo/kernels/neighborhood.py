@@ -8,36 +8,46 @@ Forward (one program per tile of queries, see :mod:`.tiling`): streams the tile'
 blocks with an online softmax in base 2, fp32 accumulation, and saves the log-sum-exp.
 Backward, FlashAttention-2 style, recomputing the probabilities from the log-sum-exp:
 
-* query-centric pass: ``delta = rowsum(dO * O)``, ``dQ``, and the rpb gradient. Each block's
-  ``dS`` is gathered by relative x-offset (``tl.gather``), then folded into relative rows with a
-  one-hot ``tl.dot``, so a program reduces its whole tile into one ``(2K-1)^2`` table in
-  registers and writes it once; the tables of all programs are summed afterwards
-  (deterministic, no contended atomics);
+* query-centric pass: ``delta = rowsum(dO * O)``, ``dQ``, and the rpb gradient. For each
+  region row a block touches, each block's ``dS`` is gathered by relative x-offset
+  (``tl.gather``), then folded into relative rows with a one-hot ``tl.dot``, so a program
+  reduces its whole tile into one ``(2K-1)^2`` table in registers and writes it once; the tables
+  of all programs are summed afterwards (deterministic, no contended atomics);
 * key-centric pass: a tile of keys streams the queries whose (clamped) windows reach it and
   accumulates ``dK`` and ``dV`` in registers: overlapping windows need no atomics.
+
+Host side: each kernel's launch configuration (tiling, warps, pipeline stages) comes from a
+small autotune space per call (:func:`configs`: the tiling of least logit work first), timed on
+the GPU once per process (:class:`~attnzoo.kernels.Autotuner`). What the kernels support is
+declared as data (:data:`LIMITS`, :data:`MAX_KERNEL_SIZE`) and checked per device, with the
+shared memory of the smallest configuration (:func:`shared_memory`, an upper bound that
+scripts/compile_kernels.py checks against every compiled launch) against the device's limit
+(:func:`not_supported_reasons`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+import functools
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from . import interpreter_enabled
-from .tiling import (LOG2E, Tiling, block_positions, block_shape, dot, grid_tiles,
-                     group_length, load_rows, na_query_region, na_tile_region, na_window_start,
-                     online_softmax_step, pow2, program_tile, store_rows, tile_positions,
+from . import Autotuner, KernelLimits, can_tune, device_info, tiling
+from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
+                     na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
+                     program_tile, rank_tilings, region_block, store_rows, tile_positions,
                      to_source)
 
-__all__ = ["NeighborhoodAttention", "na_fused", "support", "default_tiling", "capture_launches",
-           "INTERPRETED", "MAX_KERNEL_SIZE", "MAX_HEAD_DIM", "DTYPES"]
+__all__ = ["NeighborhoodAttention", "na_fused", "support", "not_supported_reasons", "configs",
+           "shared_memory", "capture_launches", "Config", "LIMITS", "KERNELS", "INTERPRETED",
+           "MAX_KERNEL_SIZE", "MAX_HEAD_DIM", "DTYPES"]
 
 MAX_KERNEL_SIZE = 13
 MAX_HEAD_DIM = 128
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETED = tiling.INTERPRETED  # built for Triton's interpreter (tiling.INTERPRETED decides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,14 +63,19 @@ def _in_window(wy, wx, ky, kx, valid_q, valid_k, KH: tl.constexpr, KW: tl.conste
 
 
 @triton.jit
-def _rpb_table(RPB, h, KH: tl.constexpr, KW: tl.constexpr, NREL: tl.constexpr):
+def _rpb_table(RPB, h, KH: tl.constexpr, KW: tl.constexpr, NREL: tl.constexpr,
+               HAS_RPB: tl.constexpr):
     """Head ``h``'s bias table, flat and padded to ``NREL`` (a power of two), times log2(e):
     held in registers and indexed with tl.gather, not re-read from memory per block (a global
-    gather per logit doubled the forward's registers)."""
-    n = (2 * KH - 1) * (2 * KW - 1)
+    gather per logit doubled the forward's registers). Without a bias, ``RPB`` is a stand-in
+    pointer and is never read."""
     r = tl.arange(0, NREL)
-    table = tl.load(RPB + h * n + r, mask=r < n, other=0.)
-    return table.to(tl.float32) * 1.4426950408889634
+    if HAS_RPB:
+        n = (2 * KH - 1) * (2 * KW - 1)
+        table = tl.load(RPB + h * n + r, mask=r < n, other=0.).to(tl.float32)
+    else:
+        table = tl.zeros([NREL], tl.float32)
+    return table * 1.4426950408889634
 
 
 @triton.jit
@@ -86,14 +101,13 @@ def _program(heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH: tl.constexpr, TW: 
 
 
 @triton.jit
-def _region_block(A, B, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y, DIL_X,
+def _region_block(A, B, n, y0, x0, rows, cols, gy, gx, DIL_Y, DIL_X,
                   say, sax, sac, sby, sbx, sbc, CA, CB, BCA: tl.constexpr, BCB: tl.constexpr,
-                  ROWS: tl.constexpr, COLS: tl.constexpr):
+                  BN: tl.constexpr):
     """Block ``n`` of the region at (y0, x0) of ``rows x cols`` positions (group coordinates):
     the positions, their mask and source positions, and the rows of the two tensors ``A`` and
     ``B`` there (keys and values, or queries and output gradients)."""
-    py, px = block_positions(y0, x0, n, n_cols, ROWS, COLS)
-    valid = (py < y0 + rows) & (px < x0 + cols)
+    py, px, valid = region_block(y0, x0, rows, cols, n, BN)
     sy = to_source(py, gy, DIL_Y)
     sx = to_source(px, gx, DIL_X)
     a = load_rows(A, sy, sx, say, sax, sac, valid, CA, BCA)
@@ -102,17 +116,16 @@ def _region_block(A, B, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y, DIL_X,
 
 
 @triton.jit
-def _key_block(q, qy, qx, wy, wx, valid_q, K, V, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y,
+def _key_block(q, qy, qx, wy, wx, valid_q, K, V, n, y0, x0, rows, cols, gy, gx, DIL_Y,
                DIL_X, sky, skx, skd, svy, svx, svd, D, DV, table, qk_scale,
                KH: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-               ROWS: tl.constexpr, COLS: tl.constexpr, HAS_RPB: tl.constexpr,
-               PRECISION: tl.constexpr):
+               BN: tl.constexpr, HAS_RPB: tl.constexpr, PRECISION: tl.constexpr):
     """Block ``n`` of a query tile's key region (the query-centric passes): its keys and values,
-    and the tile's base-2 logits ``(q.k * scale + rpb) * log2(e)`` [len(q), len(k)], -inf
-    outside each query's window (queries at (qy, qx), windows starting at (wy, wx))."""
-    ky, kx, valid_k, _, _, k, v = _region_block(K, V, n, y0, x0, rows, cols, n_cols, gy, gx,
-                                                DIL_Y, DIL_X, sky, skx, skd, svy, svx, svd, D,
-                                                DV, BD, BDV, ROWS, COLS)
+    and the tile's base-2 logits ``(q.k * scale + rpb) * log2(e)`` [len(q), BN], -inf outside
+    each query's window (queries at (qy, qx), windows starting at (wy, wx))."""
+    ky, kx, valid_k, _, _, k, v = _region_block(K, V, n, y0, x0, rows, cols, gy, gx, DIL_Y,
+                                                DIL_X, sky, skx, skd, svy, svx, svd, D, DV, BD,
+                                                BDV, BN)
     inside = _in_window(wy, wx, ky, kx, valid_q, valid_k, KH, KW)
     s = dot(q, tl.trans(k), PRECISION) * qk_scale
     if HAS_RPB:
@@ -127,25 +140,24 @@ def _na_fwd_kernel(
         sob, soy, sox, soh, sod,
         heads, H, W, D, DV, DIL_Y, DIL_X, tiles_y, tiles_x, qk_scale,
         KH: tl.constexpr, KW: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-        ROWS: tl.constexpr, COLS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-        HAS_RPB: tl.constexpr, NREL: tl.constexpr, PRECISION: tl.constexpr):
+        BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_RPB: tl.constexpr,
+        NREL: tl.constexpr, PRECISION: tl.constexpr):
     bh, b, h, gy, gx, LY, LX, ty0, tx0, qy, qx, valid_q, y, x = _program(
         heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
     q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
     wy = na_window_start(qy, LY, KH)
     wx = na_window_start(qx, LX, KW)
-    table = _rpb_table(RPB, h, KH, KW, NREL)
+    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB)
     y0, rows = na_tile_region(ty0, TH, LY, KH)
     x0, cols = na_tile_region(tx0, TW, LX, KW)
-    n_cols = tl.cdiv(cols, COLS)
     m_i = tl.full([TH * TW], -1e30, tl.float32)
     l_i = tl.zeros([TH * TW], tl.float32)
     acc = tl.zeros([TH * TW, BDV], tl.float32)
-    for n in range(0, tl.cdiv(rows, ROWS) * n_cols):
+    for n in range(0, tl.cdiv(rows * cols, BN)):
         k, v, s = _key_block(q, qy, qx, wy, wx, valid_q, K + b * skb + h * skh,
-                             V + b * svb + h * svh, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y,
-                             DIL_X, sky, skx, skd, svy, svx, svd, D, DV, table, qk_scale, KH, KW,
-                             BD, BDV, ROWS, COLS, HAS_RPB, PRECISION)
+                             V + b * svb + h * svh, n, y0, x0, rows, cols, gy, gx, DIL_Y, DIL_X,
+                             sky, skx, skd, svy, svx, svd, D, DV, table, qk_scale, KH, KW, BD,
+                             BDV, BN, HAS_RPB, PRECISION)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, PRECISION)
 
     l_i = tl.where(l_i > 0, l_i, 1.)  # only padding queries of a partial tile have l = 0
@@ -154,23 +166,27 @@ def _na_fwd_kernel(
 
 
 @triton.jit
-def _rpb_grad_block(ds, qy, qx, yb, xb, ROWS: tl.constexpr, COLS: tl.constexpr,
-                    KH: tl.constexpr, KW: tl.constexpr, RY: tl.constexpr, CX: tl.constexpr):
-    """Fold ``ds`` [BQ, ROWS * COLS] (block rows yb.., columns xb..; zero outside windows) into
-    a [RY, CX] table indexed by relative offset (ky - qy + KH - 1, kx - qx + KW - 1)."""
+def _rpb_grad_block(ds, qy, qx, y0, x0, rows, cols, n, BN: tl.constexpr, KH: tl.constexpr,
+                    KW: tl.constexpr, RY: tl.constexpr, CX: tl.constexpr, R: tl.constexpr):
+    """Fold ``ds`` [BQ, BN] (block ``n`` of the ``rows x cols`` key region at (y0, x0), in
+    row-major order; zero outside windows) into a [RY, CX] table indexed by relative offset
+    (ky - qy + KH - 1, kx - qx + KW - 1). The block spans at most ``R`` region rows: for each
+    of them, gather each query's 2KW-1 relative columns, then fold (query, row) pairs into
+    relative rows with a one-hot matmul."""
     BQ: tl.constexpr = qy.shape[0]
-    # x: gather each query's 2KW-1 relative columns out of every block row
-    m = tl.arange(0, ROWS * CX)
-    r = m // CX
+    first = n * BN
+    r0 = first // cols                                              # the block's first row
+    m = tl.arange(0, R * CX)
+    row = r0 + m // CX                                              # region row of each slot
     c = m % CX
-    col = qx[:, None] + c[None, :] - (KW - 1) - xb                  # [BQ, ROWS * CX]
-    ok = (col >= 0) & (col < COLS) & (c[None, :] < 2 * KW - 1)
-    w = tl.gather(ds, r[None, :] * COLS + tl.where(ok, col, 0), 1)
-    w = tl.reshape(tl.where(ok, w, 0.), (BQ * ROWS, CX))
-    # y: (query, block row) pairs -> relative row, as a one-hot matmul
-    i = tl.arange(0, BQ * ROWS)
-    ry = yb + i % ROWS - tl.reshape(tl.broadcast_to(qy[:, None], (BQ, ROWS)), (BQ * ROWS,)) \
-        + KH - 1
+    col = qx[:, None] + c[None, :] - (KW - 1) - x0                  # [BQ, R * CX]
+    j = row[None, :] * cols + col - first                           # index inside the block
+    ok = (col >= 0) & (col < cols) & (j >= 0) & (j < BN) & (c[None, :] < 2 * KW - 1) \
+        & (row[None, :] < rows)
+    w = tl.gather(ds, tl.where(ok, j, 0), 1)
+    w = tl.reshape(tl.where(ok, w, 0.), (BQ * R, CX))
+    i = tl.arange(0, BQ * R)
+    ry = y0 + r0 + i % R - tl.reshape(tl.broadcast_to(qy[:, None], (BQ, R)), (BQ * R,)) + KH - 1
     onehot = (tl.arange(0, RY)[:, None] == ry[None, :]).to(tl.float32)
     return tl.dot(onehot, w, input_precision="ieee")
 
@@ -182,9 +198,9 @@ def _na_bwd_dq_kernel(
         sob, soy, sox, soh, sod, sdob, sdoy, sdox, sdoh, sdod, sdqb, sdqy, sdqx, sdqh, sdqd,
         heads, H, W, D, DV, DIL_Y, DIL_X, tiles_y, tiles_x, qk_scale, scale,
         KH: tl.constexpr, KW: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-        ROWS: tl.constexpr, COLS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-        RY: tl.constexpr, CX: tl.constexpr, HAS_RPB: tl.constexpr, NREL: tl.constexpr,
-        RPB_GRAD: tl.constexpr, PRECISION: tl.constexpr):
+        BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_RPB: tl.constexpr,
+        NREL: tl.constexpr, PRECISION: tl.constexpr, RY: tl.constexpr, CX: tl.constexpr,
+        R: tl.constexpr, RPB_GRAD: tl.constexpr):
     bh, b, h, gy, gx, LY, LX, ty0, tx0, qy, qx, valid_q, y, x = _program(
         heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
     q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
@@ -196,25 +212,22 @@ def _na_bwd_dq_kernel(
     lse = tl.load(LSE + row, mask=valid_q, other=0.)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + row, delta, mask=valid_q)
-    table = _rpb_table(RPB, h, KH, KW, NREL)
+    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB)
     y0, rows = na_tile_region(ty0, TH, LY, KH)
     x0, cols = na_tile_region(tx0, TW, LX, KW)
-    n_cols = tl.cdiv(cols, COLS)
     dq = tl.zeros([TH * TW, BD], tl.float32)
     drpb = tl.zeros([RY, CX], tl.float32)
-    for n in range(0, tl.cdiv(rows, ROWS) * n_cols):
+    for n in range(0, tl.cdiv(rows * cols, BN)):
         k, v, s = _key_block(q, qy, qx, wy, wx, valid_q, K + b * skb + h * skh,
-                             V + b * svb + h * svh, n, y0, x0, rows, cols, n_cols, gy, gx, DIL_Y,
-                             DIL_X, sky, skx, skd, svy, svx, svd, D, DV, table, qk_scale, KH, KW,
-                             BD, BDV, ROWS, COLS, HAS_RPB, PRECISION)
+                             V + b * svb + h * svh, n, y0, x0, rows, cols, gy, gx, DIL_Y, DIL_X,
+                             sky, skx, skd, svy, svx, svd, D, DV, table, qk_scale, KH, KW, BD,
+                             BDV, BN, HAS_RPB, PRECISION)
         p = tl.exp2(s - lse[:, None])  # exactly 0 outside the window (s = -inf)
         dp = dot(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
         dq += dot(ds.to(k.dtype), k, PRECISION)
         if RPB_GRAD:
-            yb = y0 + (n // n_cols) * ROWS
-            xb = x0 + (n % n_cols) * COLS
-            drpb += _rpb_grad_block(ds, qy, qx, yb, xb, ROWS, COLS, KH, KW, RY, CX)
+            drpb += _rpb_grad_block(ds, qy, qx, y0, x0, rows, cols, n, BN, KH, KW, RY, CX, R)
 
     store_rows(DQ + b * sdqb + h * sdqh, dq * scale, y, x, sdqy, sdqx, sdqd, valid_q, D, BD)
     if RPB_GRAD:
@@ -231,24 +244,23 @@ def _na_bwd_dkdv_kernel(
         sdob, sdoy, sdox, sdoh, sdod, sdkb, sdky, sdkx, sdkh, sdkd, sdvb, sdvy, sdvx, sdvh, sdvd,
         heads, H, W, D, DV, DIL_Y, DIL_X, tiles_y, tiles_x, qk_scale, scale,
         KH: tl.constexpr, KW: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-        ROWS: tl.constexpr, COLS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-        HAS_RPB: tl.constexpr, NREL: tl.constexpr, PRECISION: tl.constexpr):
+        BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_RPB: tl.constexpr,
+        NREL: tl.constexpr, PRECISION: tl.constexpr):
     bh, b, h, gy, gx, LY, LX, ty0, tx0, ky, kx, valid_k, y, x = _program(
         heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
     rows_base = bh.to(tl.int64) * H  # this (batch, head)'s first row in LSE and DELTA
     k = load_rows(K + b * skb + h * skh, y, x, sky, skx, skd, valid_k, D, BD)
     v = load_rows(V + b * svb + h * svh, y, x, svy, svx, svd, valid_k, DV, BDV)
-    table = _rpb_table(RPB, h, KH, KW, NREL)
+    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB)
 
     y0, rows = na_query_region(ty0, TH, LY, KH)
     x0, cols = na_query_region(tx0, TW, LX, KW)
-    n_cols = tl.cdiv(cols, COLS)
     dk = tl.zeros([TH * TW, BD], tl.float32)
     dv = tl.zeros([TH * TW, BDV], tl.float32)
-    for n in range(0, tl.cdiv(rows, ROWS) * n_cols):
+    for n in range(0, tl.cdiv(rows * cols, BN)):
         qy, qx, valid_q, sy, sx, q, do = _region_block(
-            Q + b * sqb + h * sqh, DO + b * sdob + h * sdoh, n, y0, x0, rows, cols, n_cols, gy,
-            gx, DIL_Y, DIL_X, sqy, sqx, sqd, sdoy, sdox, sdod, D, DV, BD, BDV, ROWS, COLS)
+            Q + b * sqb + h * sqh, DO + b * sdob + h * sdoh, n, y0, x0, rows, cols, gy, gx,
+            DIL_Y, DIL_X, sqy, sqx, sqd, sdoy, sdox, sdod, D, DV, BD, BDV, BN)
         row = (rows_base + sy) * W + sx
         lse = tl.load(LSE + row, mask=valid_q, other=0.)
         delta = tl.load(DELTA + row, mask=valid_q, other=0.)
@@ -272,84 +284,128 @@ def _na_bwd_dkdv_kernel(
     store_rows(DV_ + b * sdvb + h * sdvh, dv, y, x, sdvy, sdvx, sdvd, valid_k, DV, BDV)
 
 
-INTERPRETED = isinstance(_na_fwd_kernel, InterpretedFunction)
-
-
 # ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
 
-def support(device_type: str, dtype: torch.dtype, head_dim: int, v_dim: int,
-            kernel_size: Tuple[int, ...]) -> Optional[str]:
-    """``None`` if these kernels can run such a call, else why not (Triton itself is checked by
-    :func:`attnzoo.kernels.triton_missing`)."""
-    if device_type == "cpu":
-        if not (INTERPRETED and interpreter_enabled()):
-            return ("attnzoo's Triton kernels run on CUDA tensors; CPU tensors only under "
-                    "Triton's interpreter (TRITON_INTERPRET=1 set before attnzoo's kernels are "
-                    "first imported and while they run; for tests, it is slow)")
-    elif device_type != "cuda":
-        return f"attnzoo's Triton kernels run on CUDA tensors, not {device_type}"
-    elif not INTERPRETED and torch.cuda.is_available() \
-            and torch.cuda.get_device_capability() < (8, 0):
-        major, minor = torch.cuda.get_device_capability()
-        return (f"attnzoo's Triton kernels need a GPU of compute capability >= 8.0 (Ampere or "
-                f"newer), this one is {major}.{minor}")
-    if dtype not in DTYPES:
-        return (f"attnzoo's Triton NA kernels support {', '.join(map(str, DTYPES))}, "
-                f"not {dtype}")
-    if max(head_dim, v_dim) > MAX_HEAD_DIM:
-        return (f"attnzoo's Triton NA kernels support head_dim up to {MAX_HEAD_DIM}, got "
-                f"{max(head_dim, v_dim)}")
-    if any(K > MAX_KERNEL_SIZE for K in kernel_size):
-        return (f"attnzoo's Triton NA kernels support kernel sizes up to {MAX_KERNEL_SIZE}, got "
-                f"{tuple(kernel_size)}")
-    return None
+LIMITS = KernelLimits("attnzoo's Triton NA kernels", DTYPES, MAX_HEAD_DIM)
+
+KERNELS = ("fwd", "dq", "dkdv")  # forward; backward: dQ (+ rpb), then dK and dV
+# The autotune space of a launch: a default and one alternative along each of its dimensions,
+# tile (the tiling of next least work, if within TUNE_SLACK of the least), warps and stages.
+# Pieces of a tile x block hold at most MAX_LOGITS logits in fp16 / bf16, half in TF32 and a
+# quarter in exact fp32 (tl.dot on CUDA cores): larger ones spill registers, as do 2 warps
+# except on 16-bit pieces of 256 logits (scripts/compile_kernels.py).
+STAGES = (2, 1)
+TUNE_SLACK = 1.1
+MAX_LOGITS = 1024
 
 
-class _Launch(NamedTuple):
-    grid: Tuple[int]
+def _warps(tiling: Tiling, row_bytes: int, exact_fp32: bool) -> Tuple[int, int]:
+    small = tiling.TH * tiling.TW * tiling.BN <= 256 and row_bytes <= 256 and not exact_fp32
+    return (4, 2) if small else (4, 8)
+
+
+class Config(NamedTuple):
+    """One launch configuration of a kernel."""
     tiling: Tiling
-    args: dict      # geometry and constexprs every kernel takes
+    num_warps: int
+    num_stages: int
 
 
-def default_tiling(spatial: Tuple[int, int], kernel_size: Tuple[int, int],
-                   row_bytes: int = 128) -> Tiling:
-    """2-D: 8x8 query tiles (at K=7 a 14x14 key region, streamed as 7 blocks of 2 x 16 keys);
-    1-D (H = 1): runs of 64 queries. Half as many queries where a q row and an output row
-    together take more than 512 bytes (fp32 at head dim 128), which otherwise spill registers
-    (scripts/compile_kernels.py). The key-centric pass uses the same tiles for keys (its query
-    regions are as wide, up to K//2 more at a clamped border)."""
-    (H, _), (KH, KW) = spatial, kernel_size
-    small = row_bytes > 512
-    TH, TW = ((1, 32) if small else (1, 64)) if H == 1 else ((4, 8) if small else (8, 8))
-    return Tiling(TH, TW, *block_shape(min(TH + KH - 1, H), TW + KW - 1))
+def shared_memory(kernel: str, config: Config, head_dims: Tuple[int, int], dtype: torch.dtype,
+                  kernel_size: Tuple[int, int]) -> int:
+    """Bytes of shared memory per block, at most, that ``kernel`` ("fwd", "dq", "dkdv") takes
+    in ``config``: what Triton stages there (the streamed blocks, ``num_stages`` deep, the
+    tile's operands, the layout conversions of the logits; for dq the rpb gradient's one-hot
+    fold), bounded from above. scripts/compile_kernels.py checks the bound against every
+    compiled launch."""
+    t = config.tiling
+    BD, BDV = pow2(head_dims[0]), pow2(head_dims[1])
+    M, N = t.TH * t.TW, t.BN
+    size = dtype.itemsize
+    total = (N * (BD + BDV) * size * (config.num_stages + 1)     # streamed blocks
+             + M * (BD + BDV) * size                               # the tile's rows
+             + 2 * M * N * 4)                                      # logits, probabilities
+    if kernel == "dq":
+        RY, CX = pow2(2 * kernel_size[0] - 1), pow2(2 * kernel_size[1] - 1)
+        total += (RY + CX) * M * _rows_per_block(t, kernel_size) * 4 + M * max(BD, BDV) * 4
+    return total
 
 
-def _precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32:
-        return "ieee"  # not TF32: the fp32 path is the exact one
-    return "upcast" if INTERPRETED and dtype == torch.bfloat16 else "tf32"
-
-
-def _plan(q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool,
-          tiling: Optional[Tiling]) -> _Launch:
-    B, H, W, heads, D = q.shape
+def _rows_per_block(tiling: Tiling, kernel_size: Tuple[int, int]) -> int:
+    """Region rows a block can touch (the rpb gradient's ``R``): a region is at least KW wide."""
     KH, KW = kernel_size
-    BD, BDV = pow2(D), pow2(v.shape[-1])
-    row_bytes = (BD + BDV) * q.element_size()
-    t = tiling or default_tiling((H, W), kernel_size, row_bytes)
-    if not (t.TH * t.TW >= 16 and t.ROWS * t.COLS >= 16 and all(n & (n - 1) == 0 for n in t)):
-        raise ValueError(f"{t}: blocks must be powers of two of >= 16 positions (tl.dot)")
-    tiles_y, tiles_x = grid_tiles((H, W), dilation, (t.TH, t.TW))
-    # Wide rows (fp32, head dims > 32) spill registers at 4 warps (scripts/compile_kernels.py).
-    warps = 4 if row_bytes <= 128 else 8
-    args = dict(heads=heads, H=H, W=W, D=D, DV=v.shape[-1], DIL_Y=dilation[0],
-                DIL_X=dilation[1], tiles_y=tiles_y, tiles_x=tiles_x, KH=KH, KW=KW,
-                TH=t.TH, TW=t.TW, ROWS=t.ROWS, COLS=t.COLS, BD=BD, BDV=BDV, HAS_RPB=has_rpb,
-                NREL=pow2((2 * KH - 1) * (2 * KW - 1), 1) if has_rpb else 1,
-                PRECISION=_precision(q.dtype), num_warps=warps)
-    return _Launch((B * heads * dilation[0] * dilation[1] * tiles_y * tiles_x,), t, args)
+    return pow2(min(-(-(tiling.BN - 1) // KW) + 1, tiling.TH + KH - 1), 1)
+
+
+def configs(kernel: str, spatial: Tuple[int, int], kernel_size: Tuple[int, int],
+            dilation: Tuple[int, int], head_dims: Tuple[int, int], dtype: torch.dtype,
+            shared_limit: Optional[int] = None) -> List[Config]:
+    """The autotune space of one launch of ``kernel``, its default first: the tiling of least
+    work (:func:`~.tiling.rank_tilings`; tiles of at most 32 positions where a q row and a v
+    row take more than 512 bytes, which otherwise spill) at 4 warps and 2 stages, then the
+    same with the other warps, with 1 stage, and the tiling of next least work if within
+    ``TUNE_SLACK``; those whose shared memory fits ``shared_limit`` (bytes per block; ``None``:
+    no limit). fp32 follows the precision torch allows now (:func:`~.tiling.dot_precision`)."""
+    exact_fp32 = dot_precision(dtype, interpreted=False) == "ieee"
+    return _configs(kernel, spatial, kernel_size, dilation, head_dims, dtype, exact_fp32,
+                    shared_limit)
+
+
+@functools.lru_cache(maxsize=1024)
+def _configs(kernel, spatial, kernel_size, dilation, head_dims, dtype, exact_fp32,
+             shared_limit) -> List[Config]:
+    row_bytes = (pow2(head_dims[0]) + pow2(head_dims[1])) * dtype.itemsize
+    max_tile = 32 if row_bytes > 512 else 64
+    max_logits = MAX_LOGITS // (4 if exact_fp32 else 2 if dtype.itemsize > 2 else 1)
+
+    def fits(config: Config) -> bool:
+        return shared_limit is None or shared_memory(kernel, config, head_dims, dtype,
+                                                     kernel_size) <= shared_limit
+
+    ranked = [(work, t) for work, t in rank_tilings(spatial, kernel_size, dilation,
+                                                    kernel == "dkdv", max_tile, max_logits)
+              if fits(Config(t, 4, 1))]
+    if not ranked:  # the support check refuses such calls
+        return []
+    (least, best), rest = ranked[0], ranked[1:2]
+    warps = _warps(best, row_bytes, exact_fp32)
+    space = [Config(best, warps[0], STAGES[0]), Config(best, warps[1], STAGES[0]),
+             Config(best, warps[0], STAGES[1])]
+    space += [Config(t, _warps(t, row_bytes, exact_fp32)[0], STAGES[0]) for work, t in rest
+              if work <= TUNE_SLACK * least]
+    return [c for c in space if fits(c)]
+
+
+def _least_shared_memory(head_dims, dtype, kernel_size, backward: bool) -> int:
+    """Shared memory of the smallest configuration of the kernels a call runs."""
+    smallest = Config(Tiling(1, 16, 16), 4, min(STAGES))
+    return max(shared_memory(k, smallest, head_dims, dtype, kernel_size)
+               for k in (KERNELS if backward else KERNELS[:1]))
+
+
+def not_supported_reasons(device: str, dtype: torch.dtype, head_dim: int, v_dim: int,
+                          kernel_size: Tuple[int, ...], backward: bool = True) -> List[str]:
+    """Every reason these kernels cannot run such a call on ``device`` ("cuda:1", "cpu", ...;
+    the device's own capability and shared memory), empty if none."""
+    ks = (1,) * (2 - len(kernel_size)) + tuple(kernel_size)
+    reasons = LIMITS.reasons(device, dtype, (head_dim, v_dim),
+                             _least_shared_memory((head_dim, v_dim), dtype, ks, backward))
+    if any(K > MAX_KERNEL_SIZE for K in kernel_size):
+        reasons.append(f"{LIMITS.name} support kernel sizes up to {MAX_KERNEL_SIZE}, got "
+                       f"{tuple(kernel_size)}")
+    return reasons
+
+
+def support(device: str, dtype: torch.dtype, head_dim: int, v_dim: int,
+            kernel_size: Tuple[int, ...], backward: bool = True) -> Optional[str]:
+    """``None`` if these kernels can run such a call, else every reason why not."""
+    return "; ".join(not_supported_reasons(device, dtype, head_dim, v_dim, kernel_size,
+                                           backward)) or None
+
+
+_TUNER = Autotuner()
 
 
 _captured: Optional[List[tuple]] = None  # the list capture_launches yields, while it is active
@@ -359,7 +415,7 @@ _captured: Optional[List[tuple]] = None  # the list capture_launches yields, whi
 def capture_launches() -> Iterator[List[tuple]]:
     """Record the kernels' launches instead of running them: within it, each one is appended as
     ``(kernel, grid, args, kwargs)`` to the list it yields. scripts/compile_kernels.py runs the
-    host code on meta tensors under it and compiles every launch for sm80/sm90 without a GPU."""
+    host code on meta tensors under it and compiles every launch for sm80-sm90 without a GPU."""
     global _captured
     previous, _captured = _captured, []
     try:
@@ -368,79 +424,125 @@ def capture_launches() -> Iterator[List[tuple]]:
         _captured = previous
 
 
-def _run(kernel, grid, *args, **kwargs):
+def _run(kernel, grid, *args, warmup=False, **kwargs):
     # The one launch point (see capture_launches). Triton launches on the current CUDA device:
-    # guard it in eager mode (a compiled graph guards devices itself).
+    # guard it in eager mode (a compiled graph guards devices itself). ``warmup``: compile only
+    # and return the compiled kernel (the autotuner reads its spills).
     if _captured is not None:
         _captured.append((kernel, grid, args, kwargs))
-        return
+        return None
     eager_cuda = args[0].is_cuda and not torch.compiler.is_compiling()
     with torch.cuda.device(args[0].device) if eager_cuda else contextlib.nullcontext():
+        if warmup:
+            return kernel.warmup(*args, grid=grid, **kwargs)
         kernel[grid](*args, **kwargs)
 
 
-def _forward(q, k, v, rpb, kernel_size, dilation, scale, tiling=None):
+def _launch(kernel: str, q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool,
+            config: Optional[Config], run: Callable[..., Any]) -> None:
+    """Launch ``kernel`` for this call: ``run(grid, config, args, warmup)`` with the geometry
+    and constexprs every kernel takes. ``config`` forces one; else the autotuner's choice among
+    :func:`configs` for this shape, kernel size, dilation, head dims, dtype, precision and
+    device."""
+    B, H, W, heads, D = q.shape
+    KH, KW = kernel_size
+    BD, BDV = pow2(D), pow2(v.shape[-1])
+    precision = dot_precision(q.dtype, tiling.INTERPRETED)
+
+    def launch(config: Config, warmup: bool = False) -> Any:
+        t = config.tiling
+        if not (t.TH * t.TW >= 16 and t.BN >= 16 and all(n & (n - 1) == 0 for n in t)):
+            raise ValueError(f"{t}: tiles and blocks must be powers of two of >= 16 positions")
+        tiles_y, tiles_x = grid_tiles((H, W), dilation, (t.TH, t.TW))
+        args = dict(heads=heads, H=H, W=W, D=D, DV=v.shape[-1], DIL_Y=dilation[0],
+                    DIL_X=dilation[1], tiles_y=tiles_y, tiles_x=tiles_x, KH=KH, KW=KW,
+                    TH=t.TH, TW=t.TW, BN=t.BN, BD=BD, BDV=BDV, HAS_RPB=has_rpb,
+                    NREL=pow2((2 * KH - 1) * (2 * KW - 1), 1) if has_rpb else 1,
+                    PRECISION=precision, num_warps=config.num_warps,
+                    num_stages=config.num_stages)
+        grid = (B * heads * dilation[0] * dilation[1] * tiles_y * tiles_x,)
+        return run(grid, config, args, warmup)
+
+    if config is None:
+        compiled = q.is_cuda and not tiling.INTERPRETED
+        limit = device_info(str(q.device)).shared_memory if compiled else None
+        space = configs(kernel, (H, W), kernel_size, dilation, (D, v.shape[-1]), q.dtype, limit)
+        key = (kernel, (H, W), kernel_size, dilation, D, v.shape[-1], q.dtype, precision,
+               has_rpb, str(q.device))
+        config = _TUNER.choose(key, space, launch, can_tune(q.device))
+    launch(config)
+
+
+def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
     B, H, W, heads, _ = q.shape
-    plan = _plan(q, v, kernel_size, dilation, rpb is not None, tiling)
     o = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = torch.empty((B, heads, H, W), device=q.device, dtype=torch.float32)
-    _run(_na_fwd_kernel, plan.grid, q, k, v, q if rpb is None else rpb, o, lse,
-         *q.stride(), *k.stride(), *v.stride(), *o.stride(), qk_scale=scale * LOG2E,
-         **plan.args)
+    _launch("fwd", q, v, kernel_size, dilation, rpb is not None, config,
+            lambda grid, _, args, warmup: _run(
+                _na_fwd_kernel, grid, q, k, v, q if rpb is None else rpb, o, lse, *q.stride(),
+                *k.stride(), *v.stride(), *o.stride(), qk_scale=scale * LOG2E, warmup=warmup,
+                **args))
     return o, lse
 
 
 def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_grad,
-              need_kv_grad, tiling=None):
-    plan = _plan(q, v, kernel_size, dilation, rpb is not None, tiling)
+              need_kv_grad, config=None):
     KH, KW = kernel_size
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     delta = torch.empty_like(lse)
     n_rel = (2 * KH - 1) * (2 * KW - 1)
-    # one rpb-gradient table per program, summed below
-    partial = torch.empty((plan.grid[0] if need_rpb_grad else 1, n_rel), device=q.device,
-                          dtype=torch.float32)
-    rpb_arg = q if rpb is None else rpb
-    _run(_na_bwd_dq_kernel, plan.grid, q, k, v, rpb_arg, o, do, lse, delta, dq, partial,
-         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
-         qk_scale=scale * LOG2E, scale=scale, RY=pow2(2 * KH - 1), CX=pow2(2 * KW - 1),
-         RPB_GRAD=need_rpb_grad, **plan.args)
-    if need_kv_grad:
-        _run(_na_bwd_dkdv_kernel, plan.grid, q, k, v, rpb_arg, do, lse, delta, dk, dv,
-             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-             qk_scale=scale * LOG2E, scale=scale, **plan.args)
+    rpb_arg = q if rpb is None else rpb  # a stand-in pointer, never read (HAS_RPB=False)
+    partial = []  # one rpb-gradient table per program of the last launch, summed below
+
+    def run_dq(grid, config, args, warmup):
+        partial[:] = [torch.empty((grid[0] if need_rpb_grad else 1, n_rel), device=q.device,
+                                  dtype=torch.float32)]
+        return _run(_na_bwd_dq_kernel, grid, q, k, v, rpb_arg, o, do, lse, delta, dq, partial[0],
+                    *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
+                    *dq.stride(), qk_scale=scale * LOG2E, scale=scale, RY=pow2(2 * KH - 1),
+                    CX=pow2(2 * KW - 1), R=_rows_per_block(config.tiling, kernel_size),
+                    RPB_GRAD=need_rpb_grad, warmup=warmup, **args)
+
+    _launch("dq", q, v, kernel_size, dilation, rpb is not None, config, run_dq)
+    if need_kv_grad:  # after dq, which writes delta
+        _launch("dkdv", q, v, kernel_size, dilation, rpb is not None, config,
+                lambda grid, _, args, warmup: _run(
+                    _na_bwd_dkdv_kernel, grid, q, k, v, rpb_arg, do, lse, delta, dk, dv,
+                    *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+                    *dv.stride(), qk_scale=scale * LOG2E, scale=scale, warmup=warmup, **args))
     drpb = None
     if need_rpb_grad:
         B, heads = q.shape[0], q.shape[3]
-        drpb = partial.view(B, heads, -1, n_rel).sum((0, 2)).view(heads, 2 * KH - 1, 2 * KW - 1)
+        drpb = partial[0].view(B, heads, -1, n_rel).sum((0, 2)).view(heads, 2 * KH - 1,
+                                                                     2 * KW - 1)
     return dq, (dk if need_kv_grad else None), (dv if need_kv_grad else None), drpb
 
 
 class NeighborhoodAttention(torch.autograd.Function):
     """2-D NA on ``[B, H, W, heads, d]`` (1-D as ``H = 1``): ``apply(q, k, v, rpb, kernel_size,
-    dilation, scale, tiling)``; ``rpb`` ``[heads, 2KH-1, 2KW-1]`` in q's dtype or ``None``;
-    ``tiling`` a :class:`~.tiling.Tiling` or ``None`` (:func:`default_tiling`)."""
+    dilation, scale, config)``; ``rpb`` ``[heads, 2KH-1, 2KW-1]`` in q's dtype or ``None``;
+    ``config`` a :class:`Config` forcing every kernel's, or ``None`` (:func:`configs`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rpb, kernel_size, dilation, scale, tiling=None):
-        o, lse = _forward(q, k, v, rpb, kernel_size, dilation, scale, tiling)
+    def forward(ctx, q, k, v, rpb, kernel_size, dilation, scale, config=None):
+        o, lse = _forward(q, k, v, rpb, kernel_size, dilation, scale, config)
         ctx.save_for_backward(q, k, v, rpb, o, lse)
-        ctx.args = (kernel_size, dilation, scale, tiling)
+        ctx.args = (kernel_size, dilation, scale, config)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, rpb, o, lse = ctx.saved_tensors
-        kernel_size, dilation, scale, tiling = ctx.args
+        kernel_size, dilation, scale, config = ctx.args
         need = ctx.needs_input_grad
         dq, dk, dv, drpb = _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale,
-                                     rpb is not None and need[3], need[1] or need[2], tiling)
+                                     rpb is not None and need[3], need[1] or need[2], config)
         return dq, dk, dv, drpb, None, None, None, None
 
 
 def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
              dilation: Tuple[int, ...], rpb: Optional[torch.Tensor], scale: float,
-             tiling: Optional[Tiling] = None) -> torch.Tensor:
+             config: Optional[Config] = None) -> torch.Tensor:
     """The ``cuda`` backend of ``na1d`` / ``na2d``: arguments as
     :func:`attnzoo.ops.neighborhood.na_reference` (already validated). The bias is cast to q's
     dtype first, as the reference does."""
@@ -450,7 +552,7 @@ def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tup
         out = NeighborhoodAttention.apply(
             q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
             None if rpb is None else rpb.unsqueeze(1), (1,) + tuple(kernel_size),
-            (1,) + tuple(dilation), float(scale), tiling)
+            (1,) + tuple(dilation), float(scale), config)
         return out.squeeze(1)
     return NeighborhoodAttention.apply(q, k, v, rpb, tuple(kernel_size), tuple(dilation),
-                                       float(scale), tiling)
+                                       float(scale), config)

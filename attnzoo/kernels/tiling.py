@@ -4,26 +4,40 @@ aggregations are meant to reuse it).
 The scheme: a program owns a 2-D tile of ``TH x TW`` outputs (queries) of one *dilation group*
 (positions ``g + d * i`` along each axis; a dilated window is a plain window inside its group).
 Windows whose start is monotone in the query index (NA's clamped windows, strided windows)
-cover, for a tile, one rectangular key *region*; the program streams that region in blocks of
-``ROWS x COLS`` keys (a block = a few region rows times a power-of-two column chunk), so it never
-forms the attention matrix of the tile, only ``tile x block`` pieces of it. A key-centric pass
-(gradients of keys and values, no atomics) does the converse: a tile of keys streams the region
-of queries whose windows reach it.
+cover, for a tile, one rectangular key *region*; the program streams that region's positions in
+row-major order, ``BN`` at a time (a *block*), so it never forms the attention matrix of the
+tile, only ``tile x block`` pieces of it. A key-centric pass (gradients of keys and values, no
+atomics) does the converse: a tile of keys streams the region of queries whose windows reach it.
+
+Work: a program computes ``TH * TW * BN`` logits per block, however many of them fall inside a
+window. :func:`logit_work` counts them for a launch (host side, exactly as the kernels loop) and
+:func:`rank_tilings` orders the tilings by it: small tiles have small regions (a 4 x 4 tile of
+7 x 7 windows reads 10 x 10 keys, an 8 x 8 tile 14 x 14), and blocks follow the region's
+row-major order, so only its last block is padded. Tiles and blocks of at least 16 positions
+(tl.dot's operands) bound what is possible: any 16 queries' 7 x 7 windows cover at least
+10 x 10 keys, 7 blocks of 16, so an interior tile is at most 49 / 112 = 44% useful at K = 7;
+large maps (56 x 56 and up) stay just under 50%, the borders' clamped windows helping.
 
 Coordinates inside a group ("group coordinates") are what the helpers take; ``to_source``
 maps them back to positions in the tensor. Tensors are heads-last, ``[B, H, W, heads, dim]``
 (any strides), addressed as ``base + y * stride_y + x * stride_x + c * stride_c``.
 
-Host-side, :func:`block_shape` picks the power-of-two block shapes (``tl.dot`` needs every operand
-dimension >= 16 on sm80/sm90) and :func:`grid_tiles` counts the tiles.
+Precision (:func:`dot_precision`, one rule for every kernel): fp16/bf16 operands use the tensor
+cores; fp32 operands use TF32 tensor cores only where ``torch.get_float32_matmul_precision()``
+allows it ("high" or "medium", as for torch's own matmuls), exact fp32 otherwise (the default,
+"highest"). Accumulation is always fp32.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple, Tuple
+from collections import Counter
+from typing import Iterator, List, NamedTuple, Tuple
 
+import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is one instruction)
 
@@ -95,13 +109,11 @@ def tile_positions(ty, tx, TH: tl.constexpr, TW: tl.constexpr):
 
 
 @triton.jit
-def block_positions(y0, x0, n, n_cols, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Group coordinates of block ``n`` of a region at (y0, x0) streamed in ``ROWS x COLS``
-    blocks, ``n_cols`` column chunks per band of rows."""
-    i = tl.arange(0, ROWS * COLS)
-    y = y0 + (n // n_cols) * ROWS + i // COLS
-    x = x0 + (n % n_cols) * COLS + i % COLS
-    return y, x
+def region_block(y0, x0, rows, cols, n, BN: tl.constexpr):
+    """Block ``n`` of a ``rows x cols`` region at (y0, x0): the group coordinates of its
+    positions ``n * BN ..`` in row-major order and their mask (the last block is partial)."""
+    i = n * BN + tl.arange(0, BN)
+    return y0 + i // cols, x0 + i % cols, i < rows * cols
 
 
 @triton.jit
@@ -121,14 +133,26 @@ def store_rows(base, value, y, x, sy, sx, sc, mask, C, BC: tl.constexpr):
 
 
 @triton.jit
+def _round_to_tf32(x):
+    """fp32 -> the nearest TF32 value (10 explicit mantissa bits, ties away from zero, as
+    ``cvt.rna.tf32.f32``), still stored as fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def dot(a, b, PRECISION: tl.constexpr):
-    """``a @ b`` accumulated in fp32. ``PRECISION``: tl.dot's input precision ("ieee" for exact
-    fp32, "tf32" where the operands are fp16/bf16 and it does not apply), or "upcast": compute
-    on operands cast to fp32, for the Triton interpreter only, whose tl.dot multiplies bfloat16
-    bit patterns (it stores bf16 as uint16; triton-lang/triton#11584). The operands were already
-    rounded to bf16, so the result is what a bf16 tensor-core dot gives up to summation order."""
+    """``a @ b`` accumulated in fp32. ``PRECISION`` (:func:`dot_precision`): tl.dot's input
+    precision ("ieee": exact fp32; "tf32": TF32 tensor cores for fp32 operands, the tensor
+    cores' own precision for fp16/bf16), or, for Triton's interpreter only, whose tl.dot is an
+    exact matmul of what it is given: "upcast", bf16 operands cast to fp32 first (it would
+    multiply bf16 bit patterns: it stores bf16 as uint16, triton-lang/triton#11584; the result
+    is a bf16 tensor-core dot's up to summation order), and "tf32-rounded", fp32 operands
+    rounded to TF32 first, which is what TF32 tensor cores compute."""
     if PRECISION == "upcast":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif PRECISION == "tf32-rounded":
+        return tl.dot(_round_to_tf32(a), _round_to_tf32(b), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PRECISION)
 
@@ -150,32 +174,111 @@ def online_softmax_step(s, m_i, l_i, acc, v, PRECISION: tl.constexpr):
 # host side
 # ---------------------------------------------------------------------------------------------
 
+# The kernels were built for Triton's interpreter (TRITON_INTERPRET set at their first import).
+INTERPRETED = isinstance(group_length, InterpretedFunction)
+
 def pow2(n: int, minimum: int = 16) -> int:
     """Smallest power of two >= max(n, minimum) (tl.arange and tl.dot shapes)."""
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def block_shape(rows: int, cols: int, target: int = 32) -> Tuple[int, int]:
-    """(ROWS, COLS) blocks streaming a ``rows x cols`` region: COLS 16 or 32, whichever wastes
-    fewer padded columns (each block also costs a fixed loop overhead, counted here as 16
-    columns), ROWS a power of two so that a block holds about ``target`` keys. Blocks of more
-    than 32 keys need more shared memory than an A100 has at fp32 / head dim 128."""
-    best = min((16, 32), key=lambda c: (math.ceil(cols / c) * (c + 16), c))
-    r = 1
-    while r * 2 * best <= target and r * 2 <= rows:
-        r *= 2
-    return r, best
+def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:
+    """The ``PRECISION`` constexpr of :func:`dot` for operands of ``dtype``, read at launch.
+    fp32: TF32 only where ``torch.get_float32_matmul_precision()`` is "high" or "medium"."""
+    if dtype == torch.float32:
+        if torch.get_float32_matmul_precision() == "highest":
+            return "ieee"
+        return "tf32-rounded" if interpreted else "tf32"
+    return "upcast" if interpreted and dtype == torch.bfloat16 else "tf32"
 
 
 class Tiling(NamedTuple):
-    """Block shapes of one launch (all powers of two; tile and blocks >= 16 positions)."""
+    """Block shapes of one launch (powers of two; tile and block >= 16 positions, the smallest
+    tl.dot operand dimension of 16-bit inputs)."""
     TH: int      # tile rows (group coordinates)
     TW: int      # tile columns
-    ROWS: int    # region rows per streamed block
-    COLS: int    # region columns per streamed block
+    BN: int      # region positions per streamed block
 
 
 def grid_tiles(spatial: Tuple[int, int], dilation: Tuple[int, int],
                tile: Tuple[int, int]) -> Tuple[int, int]:
     """Tiles per dilation group along (y, x): the longest group's length / tile size."""
     return tuple(math.ceil(math.ceil(L / d) / t) for L, d, t in zip(spatial, dilation, tile))
+
+
+# Host mirrors of na_tile_region / na_query_region: the extents the kernels stream.
+def _window_start(i: int, length: int, K: int) -> int:
+    return min(max(i - K // 2, 0), length - K)
+
+
+def _tile_extent(i0: int, T: int, length: int, K: int) -> int:
+    if i0 >= length:
+        return 0
+    return _window_start(min(i0 + T - 1, length - 1), length, K) + K - _window_start(i0, length, K)
+
+
+def _query_extent(j0: int, T: int, length: int, K: int) -> int:
+    if j0 >= length:
+        return 0
+    last = min(j0 + T - 1, length - 1)
+    lo = 0 if j0 < K else j0 - K // 2
+    hi = length - 1 if last >= length - K else last + K // 2
+    return hi + 1 - lo
+
+
+def region_extents(L: int, K: int, d: int, T: int, key_pass: bool) -> Counter:
+    """Multiset of the region extents along one axis (length ``L``, window ``K``, dilation
+    ``d``, tiles of ``T``) over every (group, tile) of the launch grid."""
+    extent = _query_extent if key_pass else _tile_extent
+    n_tiles = math.ceil(math.ceil(L / d) / T)
+    return Counter(extent(t * T, T, (L - g + d - 1) // d, K) for g in range(d)
+                   for t in range(n_tiles))
+
+
+class Work(NamedTuple):
+    """Logits of one launch per (batch, head): computed by the programs, and needed (each
+    query's window)."""
+    computed: int
+    needed: int
+    steps: int     # blocks streamed, summed over programs (the loop trips)
+
+    @property
+    def useful(self) -> float:
+        return self.needed / self.computed
+
+
+def logit_work(spatial: Tuple[int, int], kernel_size: Tuple[int, int],
+               dilation: Tuple[int, int], tiling: Tiling, key_pass: bool = False) -> Work:
+    """Logits a launch computes per (batch, head), as the kernels loop: every program (tile)
+    streams ``ceil(rows * cols / BN)`` blocks of its region and computes ``TH * TW * BN`` logits
+    per block. ``key_pass``: the key-centric pass (tiles of keys, regions of queries)."""
+    (H, W), (KH, KW), (dy, dx) = spatial, kernel_size, dilation
+    ys = region_extents(H, KH, dy, tiling.TH, key_pass)
+    xs = region_extents(W, KW, dx, tiling.TW, key_pass)
+    steps = sum(ny * nx * math.ceil(ey * ex / tiling.BN)
+                for ey, ny in ys.items() for ex, nx in xs.items())
+    return Work(steps * tiling.TH * tiling.TW * tiling.BN, H * W * KH * KW, steps)
+
+
+def tilings(spatial: Tuple[int, int], max_tile: int, max_logits: int) -> Iterator[Tiling]:
+    """Candidate tilings: tiles of 16 .. ``max_tile`` positions (one row where H = 1, i.e.
+    1-D), blocks of 16 .. 64, at most ``max_logits`` logits per (tile, block) piece."""
+    sides = [1 << i for i in range(7)]
+    for TH in ([1] if spatial[0] == 1 else sides):
+        for TW in sides:
+            for BN in (16, 32, 64):
+                if 16 <= TH * TW <= max_tile and TH * TW * BN <= max_logits:
+                    yield Tiling(TH, TW, BN)
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_tilings(spatial: Tuple[int, int], kernel_size: Tuple[int, int],
+                 dilation: Tuple[int, int], key_pass: bool, max_tile: int = 64,
+                 max_logits: int = 1024) -> List[Tuple[int, Tiling]]:
+    """(logits computed, tiling) for every candidate tiling, fewest logits first (then fewer
+    loop trips, then larger tiles: fewer programs for the same work)."""
+    scored = []
+    for t in tilings(spatial, max_tile, max_logits):
+        work = logit_work(spatial, kernel_size, dilation, t, key_pass)
+        scored.append((work.computed, work.steps, -t.TH * t.TW, t))
+    return [(work, t) for work, _, _, t in sorted(scored)]

@@ -20,6 +20,7 @@ dense masked attention. The index tables depend only on the shape and are cached
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 from .. import backends, kernels
 
 __all__ = ["na1d", "na2d", "na_reference", "na_export"]
+
+_logger = logging.getLogger(__name__)
 
 IntOrTuple = Union[int, Sequence[int]]
 
@@ -400,13 +403,17 @@ def _natten():
 class NACall(NamedTuple):
     """What backend selection needs to know about an NA call (hashable, cached)."""
     ndim: int
-    device: str
+    device: str   # the torch device with its index ("cuda:1", "cpu"): support is per device
     dtype: torch.dtype
     head_dim: int
     rpb: bool
     grad: bool
     kernel_size: Tuple[int, ...] = ()  # () where unknown: no kernel-size limit is checked
     v_dim: int = 0                     # 0: same as head_dim
+
+
+def _device_type(call: NACall) -> str:
+    return torch.device(call.device).type
 
 
 _NATTEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -424,15 +431,15 @@ def _natten_support(call: NACall) -> Optional[str]:
         return f"NATTEN >= 0.20 needs kernel_size >= 2, got {call.kernel_size}"
     if call.dtype not in _NATTEN_DTYPES:
         return f"NATTEN supports {', '.join(map(str, _NATTEN_DTYPES))}, not {call.dtype}"
-    if call.device == "cpu":
+    if _device_type(call) == "cpu":
         # NATTEN >= 0.20 on CPU runs PyTorch's unfused FlexAttention: forward only, and the
         # head dim must be a power of two.
         if call.grad:
             return "NATTEN's CPU path has no backward (inputs require grad)"
         if call.head_dim & (call.head_dim - 1):
             return f"NATTEN's CPU path needs a power-of-two head_dim, got {call.head_dim}"
-    elif call.device != "cuda":
-        return f"NATTEN runs on CPU and CUDA tensors, not {call.device}"
+    elif _device_type(call) != "cuda":
+        return f"NATTEN runs on CPU and CUDA tensors, not {_device_type(call)}"
     return None
 
 
@@ -468,12 +475,32 @@ def _cuda_support(call: NACall) -> Optional[str]:
         return reason
     from ..kernels import neighborhood as kernel
     return kernel.support(call.device, call.dtype, call.head_dim, call.v_dim or call.head_dim,
-                          call.kernel_size)
+                          call.kernel_size, backward=call.grad)
 
 
 def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):
     from ..kernels.neighborhood import na_fused
     return na_fused(q, k, v, kernel_size, dilation, rpb, scale)
+
+
+def _kernels_trusted(call: NACall) -> Optional[str]:
+    """``auto`` runs our kernels only on GPU architectures where they passed their validation (a
+    record in :data:`attnzoo.kernels.VERIFIED`; none until they have run on a GPU); an explicit
+    ``backend="cuda"`` always runs them."""
+    from .. import kernels
+    if _device_type(call) != "cuda" or not torch.cuda.is_available():
+        return "no GPU here (Triton's interpreter is for tests)"
+    if kernels.verified("neighborhood", call.device) is not None:
+        return None
+    info = kernels.device_info(call.device)
+    _note_unverified(info.arch, info.name)
+    return f"the cuda NA kernels have not been verified on {info.arch} ({info.name})"
+
+
+@functools.lru_cache(maxsize=None)
+def _note_unverified(arch: str, gpu: str) -> None:  # once per architecture and process
+    _logger.info("attnzoo: the cuda NA kernels have not been verified on %s (%s): auto runs NA "
+                 "on natten or torch there; backend='cuda' runs them", arch, gpu)
 
 
 def _na_macs(q, k, v, kernel_size, dilation, rpb, scale) -> int:
@@ -547,7 +574,7 @@ for _n in (1, 2):
         f"na{_n}d", key_type=NACall, macs=_na_macs, examples=_examples(_n), cases=_cases(_n),
         export=na_export, backends={"torch": backends.Backend(na_reference),
                   "natten": backends.Backend(_na_natten, _natten_support),
-                  "cuda": backends.Backend(_na_cuda, _cuda_support)})
+                  "cuda": backends.Backend(_na_cuda, _cuda_support, _kernels_trusted)})
 backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear)
 
 
@@ -561,7 +588,7 @@ def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, rpb))
-    call = NACall(n, q.device.type, q.dtype, q.shape[-1], rpb is not None, grad, ks, v.shape[-1])
+    call = NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None, grad, ks, v.shape[-1])
     return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale)
 
 
@@ -581,6 +608,15 @@ def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntO
 
     Returns:
         ``[B, H, W, heads, head_dim]``.
+
+    Precision of ``backend="cuda"`` (attnzoo's Triton kernels): fp16 / bf16 inputs run on the
+    tensor cores, accumulating in fp32. fp32 inputs use TF32 tensor cores only where
+    ``torch.get_float32_matmul_precision()`` allows it (``"high"`` or ``"medium"``, as for
+    torch's own fp32 matmuls); by default (``"highest"``) they are computed in exact fp32.
+    The first call of each shape, kernel size, dilation, head dim and dtype on a GPU times a
+    few launch configurations of each kernel (cached for the process). ``auto`` picks these
+    kernels only on GPU architectures where they have been verified
+    (:data:`attnzoo.kernels.VERIFIED`); ``backend="cuda"`` runs them on any supported GPU.
     """
     return _na(2, q, k, v, kernel_size, dilation, rpb, scale, backend)
 
