@@ -50,7 +50,7 @@ __all__ = [
     "set_backend", "get_backend", "use_backend", "reset", "on_reset", "register_op",
     "registered_ops", "dispatch", "resolve", "available_backends", "supported_backends",
     "observe_ops", "op_examples", "Case", "CheckResult", "TOLERANCE", "case_inputs", "op_cases",
-    "case_support", "check_case",
+    "case_support", "check_case", "exporting",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -227,6 +227,7 @@ class _Op(NamedTuple):
     macs: Callable[..., int]
     examples: Optional[Examples]
     cases: Optional[Cases]
+    export: Callable[..., Any]
 
 
 _OPS: Dict[str, _Op] = {}
@@ -234,7 +235,8 @@ _OPS: Dict[str, _Op] = {}
 
 def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..., int],
                 key_type: Callable[..., tuple] = tuple, examples: Optional[Examples] = None,
-                cases: Optional[Cases] = None) -> None:
+                cases: Optional[Cases] = None,
+                export: Optional[Callable[..., Any]] = None) -> None:
     """Register (or replace) op ``name``.
 
     Args:
@@ -252,6 +254,9 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
             (borders, odd sizes, every argument), which :func:`check_case` runs on any backend
             against the float64 reference; the tests run them on every backend that supports
             them, so a new backend of the op is tested by registering it.
+        export: the op's exportable formula, same arguments as the implementations (default:
+            the torch reference): what every call runs while :func:`exporting`, whatever the
+            backend (see :mod:`attnzoo.ops`).
     """
     unknown = set(backends) - set(CONCRETE_BACKENDS)
     if unknown:
@@ -259,7 +264,8 @@ def register_op(name: str, *, backends: Mapping[str, Backend], macs: Callable[..
                          f"accepted: {', '.join(CONCRETE_BACKENDS)}")
     if "torch" not in backends:
         raise ValueError(f"op {name!r} must register the 'torch' reference backend")
-    _OPS[name] = _Op(dict(backends), key_type, macs, examples, cases)
+    _OPS[name] = _Op(dict(backends), key_type, macs, examples, cases,
+                     export or backends["torch"].impl)
     _resolve.cache_clear()
 
 
@@ -378,14 +384,29 @@ def observe_ops(observer: Callable[[str, str, int], ContextManager]) -> Iterator
         _observers.remove(observer)
 
 
+# torch.export (the ONNX dynamo exporter included) sets this flag; torch < 2.5 has no such flag.
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def exporting() -> bool:
+    """Whether the running code is being traced for export: by ``torch.export`` (which the ONNX
+    dynamo exporter runs) or by ``torch.jit.trace`` (which the TorchScript ONNX exporter
+    runs). Ops then run their exportable formula, whatever the backend."""
+    return _is_exporting() or torch.jit.is_tracing()
+
+
 def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
     """Run ``op`` for call ``key`` on the backend the selection rules give; ``args`` (already
     validated by the public op) go to the implementation unchanged.
 
     A call with an empty tensor (a batch of 0) is still resolved, so an unsupported request
     raises as for any other size, but the torch reference computes it: its result is empty
-    (or a reduction over nothing), and kernels may refuse empty launches (NATTEN does)."""
+    (or a reduction over nothing), and kernels may refuse empty launches (NATTEN does).
+
+    While :func:`exporting`, the op's export formula runs instead, and no backend is resolved."""
     spec = _OPS[op]
+    if exporting():
+        return spec.export(*args)
     name = resolve(op, key, backend, args)
     empty = any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
     impl = spec.backends["torch" if empty else name].impl

@@ -5,6 +5,7 @@
 ``attnzoo info MODEL[.TAG]``            family, paper, config, cost, input sizes, weights, backends
 ``attnzoo convert MODEL CKPT OUT``      an official checkpoint -> safetensors timm loads
 ``attnzoo publish MODEL[.TAG] CKPT --repo-id ORG/NAME``  a checkpoint -> a checked Hub repo
+``attnzoo export MODEL[.TAG] OUT.onnx``  an ONNX graph onnxruntime runs (timm's onnx_export)
 ``attnzoo timm SCRIPT.py [ARGS...]``    run one of timm's scripts with attnzoo's models registered
 ``attnzoo check``                       every op on every backend here against the float64 reference
 
@@ -26,8 +27,8 @@ import argparse
 import ast
 import contextlib
 import difflib
-import itertools
 import importlib.util
+import itertools
 import os
 import runpy
 import signal
@@ -295,6 +296,67 @@ def _cmd_publish(args, parser) -> int:
     return 0
 
 
+def _cmd_export(args, parser) -> int:
+    """A thin command over ``timm.utils.onnx.onnx_export`` (what timm's ``onnx_export.py``
+    runs), for pip users without a timm checkout."""
+    import timm
+
+    _check_model(parser, args.model)
+    needed = ["onnx"] + ["onnxscript"] * args.dynamo + ["onnxruntime"] * args.check
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        parser.error(f"exporting needs {', '.join(missing)}, not installed: "
+                     'pip install "attnzoo[onnx]"')
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        parser.error(f"{args.out}: folder {out_dir} does not exist")
+    try:
+        model = timm.create_model(args.model, pretrained=False, exportable=True,
+                                  checkpoint_path=args.checkpoint or "")
+    except (RuntimeError, ValueError, OSError) as e:
+        where = f"--checkpoint {args.checkpoint}" if args.checkpoint else args.model
+        parser.error(f"{where}: {_one_line(e)}")
+    if not args.checkpoint:
+        print(f"no --checkpoint: {args.model} with random weights (nothing is downloaded)",
+              flush=True)
+    cfg = model.pretrained_cfg
+    refusal = hub.dynamic_size_refusal(cfg)
+    if args.dynamic_size and refusal:
+        parser.error(f"--dynamic-size: {args.model} cannot export with a dynamic size: {refusal}")
+    size = args.img_size or cfg["input_size"][-1]
+    if refusal and size != cfg["input_size"][-1]:
+        parser.error(f"--img-size {size}: {args.model} {refusal}")
+    x = torch.randn(2, cfg["input_size"][0], size, size)
+    try:
+        with torch.no_grad():
+            model.eval()(x)
+    except ValueError as e:
+        parser.error(f"--img-size {size}: {args.model} cannot run a {size}x{size} input: "
+                     f"{first_line(e)}")
+    exporter = "dynamo (torch.export)" if args.dynamo else "TorchScript"
+    print(f"exporting {args.model} at {size}x{size} with the {exporter} exporter, dynamic "
+          f"batch{' and size' if args.dynamic_size else ''}...", flush=True)
+    from timm.utils.onnx import onnx_export
+    with warnings.catch_warnings():  # the tracer's notes on Python checks of traced sizes
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        onnx_export(model, args.out, example_input=x, opset=args.opset,
+                    dynamic_size=args.dynamic_size, use_dynamo=args.dynamo, check=True)
+    print(f"wrote {args.out}: onnx.checker.check_model(full_check=True) passes", flush=True)
+    if args.check:  # the export's input, then another batch (and size, where it is dynamic)
+        import onnxruntime
+        session = onnxruntime.InferenceSession(args.out, providers=["CPUExecutionProvider"])
+        other = size + 32 if args.dynamic_size else size
+        for inputs in (x, torch.randn(3, x.shape[1], other, other)):
+            with torch.no_grad():
+                logits = model(inputs)
+            got = session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0]
+            diff = float((torch.from_numpy(got) - logits).abs().max())
+            print(f"onnxruntime vs PyTorch, input {list(inputs.shape)}: largest difference "
+                  f"{diff:.2e}", flush=True)
+    return 0
+
+
 def _cmd_check(args, parser) -> int:
     device = _check_device(parser, args.device)
     choice = args.dtype or ("all" if device.type == "cuda" else "fp32")
@@ -530,6 +592,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None,
                    help="branch to upload to, created if needed (default: main)")
     p.set_defaults(func=_cmd_publish, parser=p)
+
+    p = command("export", "export a model to ONNX (timm's onnx_export), dynamic batch, "
+                          "optionally dynamic size")
+    p.add_argument("model", help="an attnzoo model or pretrained tag, e.g. nat_mini")
+    p.add_argument("out", help="the .onnx file to write")
+    p.add_argument("--checkpoint", default=None,
+                   help="weights to load (timm's checkpoint_path: a train.py checkpoint or a "
+                        "state dict); default: random weights, nothing downloaded")
+    p.add_argument("--img-size", type=_int_at_least(1), default=None,
+                   help="the export's input size (default: the model's)")
+    p.add_argument("--dynamic-size", action="store_true",
+                   help="any input height and width, for models whose size is not fixed "
+                        "(default: the export's size only)")
+    p.add_argument("--dynamo", action="store_true",
+                   help="torch.export's exporter (default: the TorchScript exporter)")
+    p.add_argument("--opset", type=_int_at_least(7), default=None,
+                   help="ONNX opset (default: the exporter's)")
+    p.add_argument("--check", action="store_true",
+                   help="run onnxruntime and print the largest difference from PyTorch "
+                        "(default: onnx's checker only)")
+    p.set_defaults(func=_cmd_export, parser=p)
 
     p = command("check", "every op on every backend here against the float64 torch "
                          "reference (exit 1 if an error is above tolerance)",

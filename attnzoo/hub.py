@@ -372,6 +372,26 @@ def input_sizes(cfg: Mapping[str, Any]) -> str:
     return f"any (default {size})"
 
 
+def dynamic_size_refusal(cfg: Mapping[str, Any]) -> Optional[str]:
+    """``None`` where an ONNX export of the model can take any input size (``attnzoo export
+    --dynamic-size``), else why not, in a phrase."""
+    if cfg.get("fixed_input_size"):
+        size = "x".join(map(str, cfg["input_size"][1:]))
+        return f"its input size is fixed at {size} (position embeddings learned for that grid)"
+    return None
+
+
+def export_line(cfg: Mapping[str, Any]) -> str:
+    """What an ONNX export of the model allows, for its card."""
+    arch = cfg["architecture"]
+    refusal = dynamic_size_refusal(cfg)
+    if refusal:
+        return (f"dynamic batch (`attnzoo export {arch} {arch}.onnx`); no dynamic size: "
+                f"{refusal}")
+    return (f"dynamic batch and input size (`attnzoo export {arch} {arch}.onnx "
+            "--dynamic-size`)")
+
+
 def weights_source(tag: str) -> str:
     """Where ``pretrained=True`` gets tag ``tag``'s weights, in a sentence."""
     import timm
@@ -433,6 +453,7 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         "which other backends can (natten, cuda) is in attnzoo's README, and `attnzoo info "
         f"{arch}` tries each on your machine" if facts["ops"] else
         "none needed (no attnzoo op: plain PyTorch)")
+    details["ONNX export"] = export_line(cfg)
     if throughput:
         details["Throughput"] = throughput
     details["Labels"] = class_names(model, (evaluation or {}).get("classes"))[1]

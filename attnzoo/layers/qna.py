@@ -58,7 +58,8 @@ def qna_logits(x: torch.Tensor, queries: torch.Tensor, key_weight: torch.Tensor,
     q = q / (torch.linalg.vector_norm(q, dim=-1, keepdim=True) + 1e-6) / math.sqrt(head_dim)
     fused = torch.einsum('lhd,hdc->clh', q, key_weight.reshape(num_heads, head_dim, -1))
     logits = torch.matmul(x, fused.reshape(fused.shape[0], L * num_heads))
-    return logits.unflatten(-1, (L, num_heads))
+    # reshape by x's sizes, not unflatten: the TorchScript ONNX exporter bakes unflatten's in
+    return logits.reshape(x.shape[0], x.shape[1], x.shape[2], L, num_heads)
 
 
 class _QueriesAndAttend(nn.Module):
@@ -111,7 +112,7 @@ class _QueriesAndAttend(nn.Module):
 
     def logits_and_values(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         logits = qna_logits(x, self.queries, self.k.weight, self.num_heads)
-        v = self.v(x).unflatten(-1, (self.num_heads, self.head_dim))
+        v = self.v(x).reshape(x.shape[0], x.shape[1], x.shape[2], self.num_heads, self.head_dim)
         return logits, v
 
 
@@ -287,28 +288,36 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     wh, nh = window_layout(H, window_size)
     ww, nw = window_layout(W, window_size)
     pad_h, pad_w = nh * wh - H, nw * ww - W
-    if pad_h > 0 or pad_w > 0:
+    if torch.jit.is_scripting():  # (TorchScript compiles neither the check nor the export)
+        padded = pad_h > 0 or pad_w > 0
+    else:  # an exported graph serves every size: it always pads (maybe by 0) and masks
+        padded = backends.exporting() or pad_h > 0 or pad_w > 0
+    if padded:
         qkv = F.pad(qkv, (0, 0, 0, pad_w, 0, pad_h))
     n = wh * ww
     qkv = qkv.reshape(B, nh, wh, nw, ww, 3, num_heads, head_dim)
     q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
                                                           head_dim).unbind(0)
-    scale = head_dim ** -0.5
+    # None: SDPA's head_dim ** -0.5 (torch 2.4's TorchScript ONNX exporter fails on a float)
+    scale: Optional[float] = None
     if attn_norm == "quest":
         k, scale = l2_normalize(k), 1.0
     index = relative_position_index(wh, ww, window_size, table.device)
     bias = table[index.reshape(-1)].reshape(n, n, num_heads).permute(2, 0, 1)   # [heads, n, n]
     bias = bias.to(q.dtype).unsqueeze(0)
-    if pad_h > 0 or pad_w > 0:
-        valid = torch.zeros(nh * wh, nw * ww, dtype=torch.bool, device=qkv.device)
-        valid[:H, :W] = True
+    if padded:
+        valid = ((torch.arange(nh * wh, device=qkv.device) < H).view(nh * wh, 1)
+                 & (torch.arange(nw * ww, device=qkv.device) < W).view(1, nw * ww))
         valid = valid.reshape(nh, wh, nw, ww).permute(0, 2, 1, 3).reshape(nh * nw, 1, 1, n)
         bias = bias.masked_fill(~valid, float("-inf"))                          # [nW, heads, n, n]
         bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     out = out.reshape(B, nh, nw, num_heads, wh, ww, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
+    # the copy the reshape below makes anyway, made explicit: on torch 2.14 the ONNX dynamo
+    # exporter's decompositions turn that reshape into a view that fails at a dynamic batch
+    out = out.clone(memory_format=torch.contiguous_format)
     out = out.reshape(B, nh * wh, nw * ww, C)
-    if pad_h > 0 or pad_w > 0:
+    if padded:
         out = out[:, :H, :W]
     return out
 

@@ -75,9 +75,18 @@ def position_grid(x: torch.Tensor) -> torch.Tensor:
     """``[1, 2, H, W]`` coordinates of ``x``'s map normalised to ``[-1, 1]``: channel 0 along
     the width, channel 1 along the height (the official order)."""
     H, W = x.shape[-2], x.shape[-1]
-    loc_w = torch.linspace(-1., 1., W, device=x.device, dtype=x.dtype).view(1, W).expand(H, W)
-    loc_h = torch.linspace(-1., 1., H, device=x.device, dtype=x.dtype).view(H, 1).expand(H, W)
+    loc_w = _unit_axis(W, x).view(1, W).expand(H, W)
+    loc_h = _unit_axis(H, x).view(H, 1).expand(H, W)
     return torch.stack([loc_w, loc_h]).unsqueeze(0)
+
+
+def _unit_axis(n: int, x: torch.Tensor) -> torch.Tensor:
+    """``n`` points from -1 to 1 in ``x``'s dtype and device."""
+    # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
+    if not torch.jit.is_scripting():
+        if backends.exporting():  # torch.export bakes linspace's length in, arange's follows n
+            return torch.arange(n, device=x.device, dtype=x.dtype) * (2 / (n - 1)) - 1
+    return torch.linspace(-1., 1., n, device=x.device, dtype=x.dtype)
 
 
 class SAM(nn.Module):

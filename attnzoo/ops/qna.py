@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from .. import backends
 
-__all__ = ["qna2d", "qna2d_reference"]
+__all__ = ["qna2d", "qna2d_reference", "qna2d_export"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,6 +330,37 @@ def qna2d_reference(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.T
     return _qna2d_op(logits, v, rpb, window_weights, stride, sum_queries)
 
 
+def qna2d_export(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
+                 window_weights: Optional[torch.Tensor], kernel_size: int, stride: int,
+                 sum_queries: bool) -> torch.Tensor:
+    """QnA as an export graph: every window unfolded (``F.unfold``, sizes from the input's
+    shape), out-of-bounds logits ``-inf``, one softmax per window. Exact for any logits, with
+    no data-dependent branch and a graph that does not grow with the kernel; it holds
+    ``k * k`` copies of the logits and values, which inference affords."""
+    B, L, h, d = logits.shape[0], logits.shape[3], logits.shape[4], v.shape[-1]
+    k, pad = kernel_size, (kernel_size - 1) // 2
+    dtype = _compute_dtype(v.dtype)
+
+    def windows(x, value):  # NHWC [B, H, W, C] -> [B, C, k*k, Ho*Wo], ``value`` outside
+        x = F.pad(x.permute(0, 3, 1, 2).to(dtype), (pad, pad, pad, pad), value=value)
+        return F.unfold(x, k, stride=stride).reshape(B, x.shape[1], k * k, -1)
+
+    z = windows(logits.reshape(*logits.shape[:3], L * h), float("-inf")).reshape(
+        B, L, h, k * k, -1)
+    if rpb is not None:
+        z = z + rpb.to(dtype).reshape(L, h, k * k, 1)
+    p = z.softmax(3)
+    if window_weights is not None:
+        p = p * window_weights.to(dtype).reshape(L, h, k * k, 1)
+    values = windows(v.reshape(*v.shape[:3], h * d), 0.).reshape(B, 1, h, d, k * k, -1)
+    Ho, Wo = _out_size(logits.shape[1], stride), _out_size(logits.shape[2], stride)
+    if sum_queries:  # [B, h, d, Ho*Wo] -> [B, Ho, Wo, h, d]
+        out = (p.sum(1).unsqueeze(2) * values[:, 0]).sum(3)
+        return out.reshape(B, h, d, Ho, Wo).permute(0, 3, 4, 1, 2).to(v.dtype)
+    out = (p.unsqueeze(3) * values).sum(4)                        # [B, L, h, d, Ho*Wo]
+    return out.reshape(B, L, h, d, Ho, Wo).permute(0, 4, 5, 1, 2, 3).to(v.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # backends
 # --------------------------------------------------------------------------------------------
@@ -421,7 +452,7 @@ def _cases(device, dtype):
 
 backends.register_op(
     "qna2d", key_type=QnACall, macs=_qna_macs, examples=_examples, cases=_cases,
-    backends={"torch": backends.Backend(qna2d_reference),
+    export=qna2d_export, backends={"torch": backends.Backend(qna2d_reference),
               "natten": backends.Backend(qna2d_reference, _natten_support),
               "cuda": backends.Backend(_qna_cuda, _cuda_support)})
 

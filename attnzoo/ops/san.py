@@ -231,6 +231,16 @@ def aggregation_reference(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) 
     return _Aggregation.apply(x, weight, fp)
 
 
+def aggregation_export(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    """The aggregation as an export graph: the footprint unfolded (``kk`` copies of ``x``,
+    which inference affords) and reduced in one product, so that the graph does not grow with
+    the footprint as the tap-by-tap reference would, and its sizes follow the input's shape."""
+    N, C, Cw = x.shape[0], x.shape[1], weight.shape[1]
+    Ho, Wo = _out_size(fp, x.shape[2], x.shape[3])
+    cols = _neighbours(x, fp).reshape(N, C // Cw, Cw, fp.taps, -1)
+    return (cols * weight.unsqueeze(1)).sum(3).reshape(N, C, Ho, Wo)
+
+
 # --------------------------------------------------------------------------------------------
 # backends: torch reference, natten (none), cuda (slot)
 # --------------------------------------------------------------------------------------------
@@ -356,6 +366,7 @@ for _name, _impl, _macs in (("san_aggregation", aggregation_reference, _aggregat
                             ("san_subtraction2", subtraction2_reference, _subtraction2_macs)):
     backends.register_op(
         _name, key_type=SANCall, macs=_macs, examples=_examples(_name), cases=_cases(_name),
+        export=aggregation_export if _name == "san_aggregation" else None,
         backends={"torch": backends.Backend(_impl),
                   "natten": backends.Backend(_unreachable(_name, "natten"), _natten_support(_name)),
                   "cuda": backends.Backend(_unreachable(_name, "cuda"), _cuda_support(_name))})

@@ -1,0 +1,329 @@
+"""ONNX export: every op's export formula, the switch that picks it while a model is traced for
+export (whatever the backend), and whole models through timm's ``onnx_export`` with both
+exporters, checked by onnxruntime against PyTorch at the export's input, at another batch and,
+where the model takes any size, at another input size; and ``attnzoo export``.
+
+Tiers: the default run exports the smallest model of each family with the TorchScript
+exporter, and with the dynamo exporter every op and QUEST-ViT; ``slow`` the other families'
+smallest models with the dynamo exporter (see ``_QUICK_DYNAMO_FAMILIES``); timm's suite's
+``full`` switch (``ATTNZOO_TIMM_SUITE=full``) every model with both.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import timm
+import torch
+from timm.utils.onnx import onnx_export
+
+import attnzoo
+from attnzoo import backends, cli
+from attnzoo.ops.neighborhood import na_export, na_reference
+from attnzoo.ops.qna import qna2d_export, qna2d_reference
+from attnzoo.ops.san import _footprint, aggregation_export, aggregation_reference
+from timm_suite.families import full_run, smallest_per_family
+
+# ---------------------------------------------------------------------------------------------
+# the export formulas
+# ---------------------------------------------------------------------------------------------
+
+
+def _randn(*shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+
+def _na_case(n, size, K, d, rpb):
+    def build(seed):
+        q, k, v = (_randn(2, *size, 3, 4, seed=seed + i) for i in range(3))
+        table = _randn(3, *(2 * K - 1,) * n, seed=seed + 3) if rpb else None
+        return (q, k, v, (K,) * n, (d,) * n, table, 0.4)
+    return build
+
+
+def _qna_case(H, W, L, k, stride, sum_queries, bias):
+    def build(seed):
+        logits, v = _randn(2, H, W, L, 3, seed=seed), _randn(2, H, W, 3, 4, seed=seed + 1)
+        with torch.no_grad():
+            logits.mul_(4)  # logits spanning more than one window's usual range
+        rpb, ws = ((_randn(L, 3, k, k, seed=seed + 2), _randn(L, 3, k, k, seed=seed + 3))
+                   if bias else (None, None))
+        return (logits, v, rpb, ws, k, stride, sum_queries)
+    return build
+
+
+def _san_case(C, Cw, H, W, k, d, s, mode):
+    def build(seed):
+        x = _randn(2, C, H, W, seed=seed)
+        fp = _footprint("san_aggregation", x, k, d, s, mode)
+        Ho, Wo = (H - 1) // s + 1, (W - 1) // s + 1
+        return (x, _randn(2, Cw, k * k, Ho * Wo, seed=seed + 1), fp)
+    return build
+
+
+FORMULAS = {
+    "na2d k3 d2 rpb 9x11": (na_export, na_reference, _na_case(2, (9, 11), 3, 2, True)),
+    "na2d k7 d1 7x8": (na_export, na_reference, _na_case(2, (7, 8), 7, 1, False)),
+    "na2d k5 d1 rpb 12x10": (na_export, na_reference, _na_case(2, (12, 10), 5, 1, True)),
+    "na1d k5 d3 rpb 17": (na_export, na_reference, _na_case(1, (17,), 5, 3, True)),
+    "qna2d k3 s1": (qna2d_export, qna2d_reference, _qna_case(9, 11, 2, 3, 1, True, True)),
+    "qna2d k5 s2 unsummed": (qna2d_export, qna2d_reference,
+                             _qna_case(8, 7, 4, 5, 2, False, True)),
+    "qna2d k7 s1 no bias": (qna2d_export, qna2d_reference, _qna_case(6, 6, 1, 7, 1, True, False)),
+    "san k3 reflect": (aggregation_export, aggregation_reference,
+                       _san_case(8, 2, 9, 11, 3, 1, 1, "reflect")),
+    "san k7 s2 zeros": (aggregation_export, aggregation_reference,
+                        _san_case(8, 4, 9, 11, 7, 1, 2, "zeros")),
+    "san k3 d2 reflect": (aggregation_export, aggregation_reference,
+                          _san_case(6, 3, 8, 8, 3, 2, 1, "reflect")),
+}
+
+
+@pytest.mark.parametrize("case", list(FORMULAS))
+def test_export_formulas_equal_the_torch_reference_forward_and_backward(case):
+    export, reference, build = FORMULAS[case]
+    args_e, args_r = build(0), build(0)
+    out_e, out_r = export(*args_e), reference(*args_r)
+    torch.testing.assert_close(out_e, out_r, rtol=1e-10, atol=1e-10)
+    grad = torch.randn(out_r.shape, generator=torch.Generator().manual_seed(9),
+                       dtype=torch.float64)
+    inputs_e = [a for a in args_e if isinstance(a, torch.Tensor)]
+    inputs_r = [a for a in args_r if isinstance(a, torch.Tensor)]
+    for ge, gr in zip(torch.autograd.grad(out_e, inputs_e, grad),
+                      torch.autograd.grad(out_r, inputs_r, grad)):
+        torch.testing.assert_close(ge, gr, rtol=1e-9, atol=1e-9)
+
+
+def test_na_export_formula_equals_the_brute_force_oracle():
+    from oracles import neighborhood_attention
+
+    q, k, v, ks, dil, rpb, scale = _na_case(2, (9, 11), 3, 2, True)(0)
+    with torch.no_grad():
+        torch.testing.assert_close(na_export(q, k, v, ks, dil, rpb, scale),
+                                   neighborhood_attention(q, k, v, 3, 2, rpb, scale))
+
+
+class _EveryOp(torch.nn.Module):
+    """One call of each op family, on small maps derived from one input."""
+
+    def forward(self, x):  # x [B, 8, 9, 4]
+        q = x.reshape(*x.shape[:3], 2, 2)
+        na = attnzoo.ops.na2d(q, q * 0.5, q, kernel_size=3, dilation=2)
+        qna = attnzoo.ops.qna2d(q[..., 0].unsqueeze(3), q, kernel_size=3, stride=2)
+        nchw = x.permute(0, 3, 1, 2)
+        weight = nchw[:, :2].flatten(2).unsqueeze(2).expand(-1, -1, 9, -1) * 0.1
+        san = attnzoo.ops.san_aggregation(nchw, weight, kernel_size=3)
+        return na.sum((1, 2)), qna.sum((1, 2)), san.sum((2, 3))
+
+
+def _reference_of_every_op(x):
+    with backends.use_backend("torch"):
+        return _EveryOp()(x)
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_a_trace_runs_every_op_s_export_formula_whatever_the_backend(backend):
+    x = torch.randn(2, 8, 9, 4)
+    with backends.use_backend(backend):
+        if backend in ("natten", "cuda"):  # eagerly these backends cannot run qna2d on CPU
+            with pytest.raises(backends.BackendUnsupportedError):
+                _EveryOp()(x)
+        traced = torch.jit.trace(_EveryOp(), (x,), check_trace=False)
+    # the trace holds the export formulas, not a backend's kernels or attnzoo's custom op
+    assert "attnzoo::" not in str(traced.graph)
+    for got, want in zip(traced(x), _reference_of_every_op(x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_export_runs_the_export_formulas():
+    if _dynamo_skip_reason():
+        pytest.skip(_dynamo_skip_reason())
+    x = torch.randn(2, 8, 9, 4)
+    with backends.use_backend("cuda"):
+        program = torch.export.export(_EveryOp(), (x,), strict=False)
+    assert "attnzoo" not in str(program.graph)
+    for got, want in zip(program.module()(x), _reference_of_every_op(x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.floor
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_every_op_exports_to_onnx_for_any_batch_and_map_size(exporter, tmp_path):
+    if exporter == "dynamo" and _dynamo_skip_reason():
+        pytest.skip(_dynamo_skip_reason())
+    x, path = torch.randn(2, 8, 9, 4), tmp_path / "ops.onnx"
+    with torch.no_grad(), backends.use_backend("cuda"):
+        if exporter == "dynamo":
+            dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("height", min=6),
+                    2: torch.export.Dim("width", min=6)}
+            torch.onnx.export(_EveryOp(), (x,), str(path), dynamo=True, input_names=["x"],
+                              dynamic_shapes=(dims,))
+        else:
+            torch.onnx.export(_EveryOp(), (x,), str(path), dynamo=False, opset_version=17,
+                              input_names=["x"], dynamic_axes={"x": [0, 1, 2]})
+    onnx.checker.check_model(str(path), full_check=True)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # the export's shape, then another batch and map (the windows clamp at other borders)
+    for inp in (x, torch.randn(3, 11, 7, 4)):
+        for got, want in zip(session.run(None, {"x": inp.numpy()}), _reference_of_every_op(inp)):
+            torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_calls_never_run_an_export_formula(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("an eager call ran an export formula")
+
+    for op in backends.registered_ops():
+        monkeypatch.setitem(backends._OPS, op, backends._OPS[op]._replace(export=refuse))
+    assert not backends.exporting()
+    _EveryOp()(torch.randn(2, 8, 9, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# whole models, timm's onnx_export, onnxruntime
+# ---------------------------------------------------------------------------------------------
+
+# The dynamo exporter takes 1.5-3.5 minutes per model for the smallest NAT, QnA-ViT and SAN
+# models on a 2-core CPU (most of it in torch.export's decompositions and onnxscript's graph
+# optimizer), 20 s for QUEST-ViT: the default run exports QUEST-ViT with it, and every op with
+# it above (dynamic batch and size); the others are `slow`. On the floor (torch 2.4) the
+# TorchScript exporter exports the smallest NAT and QnA-ViT models.
+_QUICK_DYNAMO_FAMILIES = {"quest_vit"}
+_FLOOR_FAMILIES = {"nat", "qna_vit"}
+
+
+def _cases():
+    if full_run():
+        return [(name, exporter) for name in attnzoo.list_models()
+                for exporter in ("torchscript", "dynamo")]
+    cases = []
+    for fam, name in sorted(smallest_per_family().items(), key=lambda item: item[1]):
+        cases.append(pytest.param(name, "torchscript", marks=[pytest.mark.floor]
+                                  if fam in _FLOOR_FAMILIES else []))
+        cases.append(pytest.param(name, "dynamo", marks=[] if fam in _QUICK_DYNAMO_FAMILIES
+                                  else [pytest.mark.slow]))
+    return cases
+
+
+def _sizes(cfg):
+    """The export's input size and, where the model takes any size, another one: small maps
+    (128 px, SAN's least) keep the default tier quick; 128x160 pads NAT's last stages and tiles
+    none of QnA-ViT's windows exactly. A fixed-size model exports at its size only."""
+    if attnzoo.hub.dynamic_size_refusal(cfg):
+        return tuple(cfg["input_size"][1:]), None
+    return (128, 128), (128, 160)
+
+
+def _dynamo_skip_reason():
+    if "dynamic_shapes" not in inspect.signature(torch.onnx.export).parameters:
+        return (f"torch {torch.__version__}'s torch.onnx.export has no dynamic_shapes: its "
+                "dynamo exporter cannot export a dynamic batch")
+    if not hasattr(torch.compiler, "is_exporting"):
+        return (f"torch {torch.__version__} has no torch.compiler.is_exporting(), by which "
+                "attnzoo's ops know a torch.export trace")
+    return None
+
+
+def _onnxruntime_logits(path, x):
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+
+
+@pytest.mark.parametrize("name, exporter", _cases())
+def test_model_exports_and_onnxruntime_gives_pytorch_s_logits(name, exporter, tmp_path):
+    dynamo = exporter == "dynamo"
+    if dynamo and _dynamo_skip_reason():
+        pytest.skip(_dynamo_skip_reason())
+    torch.manual_seed(0)
+    model = timm.create_model(name).eval()
+    size, other_size = _sizes(model.pretrained_cfg)
+    x = torch.randn(2, 3, *size)
+    path = tmp_path / f"{name}.onnx"
+    # check=True: onnx.checker.check_model(full_check=True) on the written file; the dynamo
+    # exporter writes its own opset (18 and up), the TorchScript one the issue's 17
+    onnx_export(model, str(path), example_input=x, opset=None if dynamo else 17,
+                dynamic_size=other_size is not None, use_dynamo=dynamo, check=True)
+    graph = onnx.load(str(path)).graph
+    assert not any(node.domain.startswith("attnzoo") for node in graph.node)
+    inputs = [x, torch.randn(3, 3, *size)]  # the export's batch, then another
+    if other_size:
+        inputs.append(torch.randn(1, 3, *other_size))
+    for inp in inputs:
+        with torch.no_grad():
+            expected = model(inp)
+        torch.testing.assert_close(_onnxruntime_logits(path, inp), expected, rtol=0, atol=1e-4,
+                                   msg=lambda m: f"{name}, input {list(inp.shape)}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# attnzoo export
+# ---------------------------------------------------------------------------------------------
+
+def _run_cli(argv, capsys):
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_exports_a_checkpoint_s_weights_and_checks_onnxruntime(tmp_path, capsys):
+    torch.manual_seed(1)
+    checkpoint, out_file = tmp_path / "quest.pth", tmp_path / "quest.onnx"
+    state = timm.create_model("quest_vit_tiny_patch16_224").state_dict()
+    torch.save(state, checkpoint)
+    code, out, err = _run_cli(["export", "quest_vit_tiny_patch16_224", str(out_file),
+                               "--checkpoint", str(checkpoint), "--check"], capsys)
+    assert code == 0, err
+    weights = {t.name: onnx.numpy_helper.to_array(t)
+               for t in onnx.load(str(out_file)).graph.initializer}
+    np.testing.assert_array_equal(weights["head.weight"], state["head.weight"].numpy())
+    diffs = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines()
+             if line.startswith("onnxruntime vs PyTorch")]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, out  # the export's batch and another
+
+
+def test_cli_rejects_a_checkpoint_that_does_not_fit_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.pth"
+    torch.save({"head.weight": torch.zeros(3, 3)}, bad)
+    code, out, err = _run_cli(["export", "quest_vit_tiny_patch16_224", str(tmp_path / "a.onnx"),
+                               "--checkpoint", str(bad)], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"attnzoo export: error: --checkpoint {bad}: ")
+
+
+def test_cli_says_in_one_line_why_a_fixed_size_model_has_no_dynamic_size(tmp_path, capsys):
+    code, out, err = _run_cli(["export", "quest_vit_tiny_patch16_224", str(tmp_path / "q.onnx"),
+                               "--dynamic-size"], capsys)
+    assert code == 2
+    assert "random weights (nothing is downloaded)" in out  # no --checkpoint
+    last = err.strip().splitlines()[-1]
+    assert "--dynamic-size" in last and "fixed at 224x224" in last
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_cli_names_the_extra_when_onnx_is_missing(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "onnxruntime" else real(name, *a))
+    code, out, err = _run_cli(["export", "nat_mini", str(tmp_path / "n.onnx"), "--check"], capsys)
+    assert code == 2
+    assert 'onnxruntime, not installed: pip install "attnzoo[onnx]"' in err.strip().splitlines()[-1]
+
+
+def test_cli_rejects_a_size_the_model_cannot_run(tmp_path, capsys):
+    code, out, err = _run_cli(["export", "san10_pairwise", str(tmp_path / "s.onnx"),
+                               "--img-size", "64"], capsys)
+    assert code == 2 and "--img-size 64" in err.strip().splitlines()[-1]
+
+
+def test_model_cards_say_whether_a_model_exports_with_a_dynamic_size():
+    for name, dynamic in (("nat_mini", True), ("quest_vit_tiny_patch16_224", False)):
+        line = attnzoo.hub.export_line(timm.create_model(name, device="meta").pretrained_cfg)
+        assert ("--dynamic-size" in line) is dynamic, line
