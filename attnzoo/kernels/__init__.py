@@ -236,6 +236,7 @@ class Verification(NamedTuple):
 # backends").
 VERIFIED: Dict[str, Tuple[Verification, ...]] = {
     "neighborhood": (),
+    "qna": (),
 }
 
 

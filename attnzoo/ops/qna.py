@@ -46,7 +46,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import backends
+from .. import backends, kernels
 
 __all__ = ["qna2d", "qna2d_reference", "qna2d_export"]
 
@@ -367,12 +367,13 @@ def qna2d_export(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tens
 
 class QnACall(NamedTuple):
     """What backend selection needs to know about a qna2d call (hashable, cached)."""
-    device: str
+    device: str  # the torch device with its index ("cuda:1", "cpu"): support is per device
     dtype: torch.dtype
     kernel_size: int
     stride: int
     sum_queries: bool
     grad: bool
+    head_dim: int = 0
 
 
 def _natten_support(call: QnACall) -> Optional[str]:
@@ -383,12 +384,27 @@ def _natten_support(call: QnACall) -> Optional[str]:
 
 
 def _cuda_support(call: QnACall) -> Optional[str]:
-    # A named slot: the fused Triton kernel (an online windowed softmax) lands in a later release.
-    return "attnzoo's Triton kernel for qna2d is not implemented yet"
+    reason = kernels.triton_missing()
+    if reason is not None:
+        return reason
+    from ..kernels import qna as kernel
+    return kernel.support(call.device, call.dtype, call.head_dim)
 
 
-def _qna_cuda(*args):  # pragma: no cover - unreachable: the support check always refuses
-    raise backends.BackendUnsupportedError("attnzoo's Triton qna2d kernel is not implemented yet")
+def _qna_cuda(logits, v, rpb, window_weights, kernel_size, stride, sum_queries):
+    from ..kernels.qna import qna_fused
+    return qna_fused(logits, v, rpb, window_weights, kernel_size, stride, sum_queries)
+
+
+def _kernels_trusted(call: QnACall) -> Optional[str]:
+    """``auto`` runs the QnA kernels only on GPU architectures where they passed their
+    validation (:data:`attnzoo.kernels.VERIFIED`); ``backend="cuda"`` always runs them."""
+    if torch.device(call.device).type != "cuda" or not torch.cuda.is_available():
+        return "no GPU here (Triton's interpreter is for tests)"
+    if kernels.verified("qna", call.device) is not None:
+        return None
+    info = kernels.device_info(call.device)
+    return f"the cuda QnA kernels have not been verified on {info.arch} ({info.name})"
 
 
 def _qna_macs(logits, v, rpb, window_weights, kernel_size, stride, sum_queries) -> int:
@@ -454,7 +470,7 @@ backends.register_op(
     "qna2d", key_type=QnACall, macs=_qna_macs, examples=_examples, cases=_cases,
     export=qna2d_export, backends={"torch": backends.Backend(qna2d_reference),
               "natten": backends.Backend(qna2d_reference, _natten_support),
-              "cuda": backends.Backend(_qna_cuda, _cuda_support)})
+              "cuda": backends.Backend(_qna_cuda, _cuda_support, _kernels_trusted)})
 
 
 # --------------------------------------------------------------------------------------------
@@ -533,6 +549,6 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
     _check_call(logits, v, kernel_size, stride, rpb, window_weights, sum_queries)
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (logits, v, rpb, window_weights))
-    call = QnACall(v.device.type, v.dtype, kernel_size, stride, sum_queries, grad)
+    call = QnACall(str(v.device), v.dtype, kernel_size, stride, sum_queries, grad, v.shape[-1])
     return backends.dispatch("qna2d", call, backend, logits, v, rpb, window_weights, kernel_size,
                              stride, sum_queries)

@@ -1,0 +1,284 @@
+"""Fused QnA (learned-query window attention, :func:`attnzoo.ops.qna2d`) in Triton.
+
+Semantics are those of :func:`attnzoo.ops.qna.qna2d_reference`. QnA's queries are shared by
+every window, so a key's score is one precomputed number per learned query (``logits``): there is
+no query-key product to tile with tl.dot, only each window's ``k x k`` taps to stream. A program
+owns a tile of ``TH x TW`` outputs of one (batch, head) (:func:`~.tiling.program_tile`), and
+for each learned query visits the window's taps once, with an online softmax in base 2 (the
+rpb added, out-of-map taps excluded, the window weights in the numerator only), accumulating in
+fp32. Each window's own running maximum stabilises it, so any logits are exact: no
+exponent-range fallback as the reference's convolution form needs. The forward saves each
+window's log-sum-exp per learned query.
+
+Backward, recomputing the probabilities from the log-sum-exp
+(``dz = p * (w * <g_l, v> - D_l)``, ``D_l = <g_l, out_l>``):
+
+* output-centric pass: ``D_l`` per output and learned query, summed over the window's taps
+  (with ``sum_queries`` the per-query results ``out_l`` are never stored);
+* key-centric pass: a tile of keys visits, per tap, the one output (if any) whose window holds
+  it there (stride 2: a key is a tap of fewer windows), and accumulates the gradients of its
+  logits and value in registers: overlapping windows need no atomics. The rpb and window
+  weight gradients, one number per (learned query, head, tap), are summed per program over the
+  tile and written to a table per program, summed afterwards (deterministic).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import KernelLimits
+from .tiling import LOG2E, load_rows, pow2, program_tile, store_rows, tile_positions
+
+__all__ = ["QnAttention", "qna_fused", "support", "not_supported_reasons", "LIMITS"]
+
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LIMITS = KernelLimits("attnzoo's Triton QnA kernels", DTYPES, MAX_HEAD_DIM)
+TILE = (8, 8)      # outputs (forward, D) or keys (key-centric pass) per program
+NUM_WARPS = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _program(heads, Hp, Wp, TH: tl.constexpr, TW: tl.constexpr):
+    """Program -> batch (int64), head, and its tile's positions (y, x) on a ``Hp x Wp`` map
+    with their mask."""
+    tiles_y = tl.cdiv(Hp, TH)
+    tiles_x = tl.cdiv(Wp, TW)
+    bh, _, _, ty, tx = program_tile(tl.program_id(0), tiles_y, tiles_x, 1, 1)
+    y, x = tile_positions(ty, tx, TH, TW)
+    return (bh // heads).to(tl.int64), bh % heads, y, x, (y < Hp) & (x < Wp)
+
+
+@triton.jit
+def _tap(oy, ox, t, H, W, STRIDE: tl.constexpr, K: tl.constexpr):
+    """The key at tap ``t`` (row-major over the ``K x K`` window) of outputs (oy, ox), and
+    whether it lies in the map."""
+    ky = oy * STRIDE + t // K - (K - 1) // 2
+    kx = ox * STRIDE + t % K - (K - 1) // 2
+    return ky, kx, (ky >= 0) & (ky < H) & (kx >= 0) & (kx < W)
+
+
+@triton.jit
+def _qna_fwd_kernel(
+        LOGITS, V, RPB, WS, O, LSE,
+        slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sob, soy, sox, sol, soh, sod,
+        heads, H, W, Ho, Wo, L, D,
+        K: tl.constexpr, STRIDE: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+        BD: tl.constexpr, SUM_QUERIES: tl.constexpr):
+    b, h, oy, ox, valid = _program(heads, Ho, Wo, TH, TW)
+    lse_row = (((b * Ho + oy) * Wo + ox) * L) * heads + h
+    total = tl.zeros([TH * TW, BD], tl.float32)
+    for l in range(0, L):
+        table = (l * heads + h) * K * K  # this (query, head)'s rpb / window weights
+        m_i = tl.full([TH * TW], -1e30, tl.float32)
+        l_i = tl.zeros([TH * TW], tl.float32)
+        acc = tl.zeros([TH * TW, BD], tl.float32)
+        for t in range(0, K * K):
+            ky, kx, inside = _tap(oy, ox, t, H, W, STRIDE, K)
+            inside = inside & valid
+            z = tl.load(LOGITS + b * slb + ky * sly + kx * slx + l * sll + h * slh, mask=inside,
+                        other=0.).to(tl.float32)
+            s = tl.where(inside, (z + tl.load(RPB + table + t)) * 1.4426950408889634,
+                         float("-inf"))
+            v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, inside, D,
+                          BD).to(tl.float32)
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + (p * tl.load(WS + table + t))[:, None] * v
+            m_i = m_new
+        l_i = tl.where(l_i > 0, l_i, 1.)  # only padding positions of a partial tile have l = 0
+        tl.store(LSE + lse_row + l * heads, m_i + tl.log2(l_i), mask=valid)
+        if SUM_QUERIES:
+            total += acc / l_i[:, None]
+        else:
+            store_rows(O + b * sob + l * sol + h * soh, acc / l_i[:, None], oy, ox, soy, sox, sod,
+                       valid, D, BD)
+    if SUM_QUERIES:
+        store_rows(O + b * sob + h * soh, total, oy, ox, soy, sox, sod, valid, D, BD)
+
+
+@triton.jit
+def _qna_bwd_delta_kernel(
+        LOGITS, V, RPB, WS, G, LSE, DELTA,
+        slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sgb, sgy, sgx, sgl, sgh, sgd,
+        heads, H, W, Ho, Wo, L, D,
+        K: tl.constexpr, STRIDE: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+        BD: tl.constexpr):
+    """``D_l = <g_l, out_l> = sum_t p_l(t) w_l(t) <g_l, v(t)>`` per output and learned query
+    (``sgl = 0`` with sum_queries: every query's result got the same gradient)."""
+    b, h, oy, ox, valid = _program(heads, Ho, Wo, TH, TW)
+    lse_row = (((b * Ho + oy) * Wo + ox) * L) * heads + h
+    for l in range(0, L):
+        table = (l * heads + h) * K * K
+        g = load_rows(G + b * sgb + l * sgl + h * sgh, oy, ox, sgy, sgx, sgd, valid, D,
+                      BD).to(tl.float32)
+        lse = tl.load(LSE + lse_row + l * heads, mask=valid, other=0.)
+        delta = tl.zeros([TH * TW], tl.float32)
+        for t in range(0, K * K):
+            ky, kx, inside = _tap(oy, ox, t, H, W, STRIDE, K)
+            inside = inside & valid
+            z = tl.load(LOGITS + b * slb + ky * sly + kx * slx + l * sll + h * slh, mask=inside,
+                        other=0.).to(tl.float32)
+            p = tl.where(inside, tl.exp2((z + tl.load(RPB + table + t)) * 1.4426950408889634
+                                         - lse), 0.)
+            v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, inside, D, BD)
+            delta += p * tl.load(WS + table + t) * tl.sum(g * v.to(tl.float32), 1)
+        tl.store(DELTA + lse_row + l * heads, delta, mask=valid)
+
+
+@triton.jit
+def _qna_bwd_keys_kernel(
+        LOGITS, V, RPB, WS, G, LSE, DELTA, DLOGITS, DV, DRPB, DWS,
+        slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sgb, sgy, sgx, sgl, sgh, sgd,
+        sdlb, sdly, sdlx, sdll, sdlh, sdvb, sdvy, sdvx, sdvh, sdvd,
+        heads, H, W, Ho, Wo, L, D,
+        K: tl.constexpr, STRIDE: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+        BD: tl.constexpr):
+    """A tile of keys: per learned query and tap, the output whose window holds the key there
+    (``key = out * stride + tap - r``), its probability recomputed from its log-sum-exp."""
+    b, h, ky, kx, valid = _program(heads, H, W, TH, TW)
+    v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, valid, D, BD).to(tl.float32)
+    dv = tl.zeros([TH * TW, BD], tl.float32)
+    partial = (tl.program_id(0).to(tl.int64) * L) * K * K
+    for l in range(0, L):
+        table = (l * heads + h) * K * K
+        z = tl.load(LOGITS + b * slb + ky * sly + kx * slx + l * sll + h * slh, mask=valid,
+                    other=0.).to(tl.float32)
+        dz_total = tl.zeros([TH * TW], tl.float32)
+        for t in range(0, K * K):
+            ny = ky - t // K + (K - 1) // 2   # out * stride
+            nx = kx - t % K + (K - 1) // 2
+            oy = tl.where(ny >= 0, ny, 0) // STRIDE
+            ox = tl.where(nx >= 0, nx, 0) // STRIDE
+            seen = (valid & (ny >= 0) & (nx >= 0) & (ny % STRIDE == 0) & (nx % STRIDE == 0)
+                    & (oy < Ho) & (ox < Wo))
+            row = (((b * Ho + oy) * Wo + ox) * L + l) * heads + h
+            lse = tl.load(LSE + row, mask=seen, other=float("inf"))  # p = 0 where unseen
+            delta = tl.load(DELTA + row, mask=seen, other=0.)
+            g = load_rows(G + b * sgb + l * sgl + h * sgh, oy, ox, sgy, sgx, sgd, seen, D,
+                          BD).to(tl.float32)
+            w = tl.load(WS + table + t)
+            p = tl.where(seen, tl.exp2((z + tl.load(RPB + table + t)) * 1.4426950408889634
+                                       - lse), 0.)
+            gv = tl.sum(g * v, 1)
+            dz = p * (w * gv - delta)
+            dz_total += dz
+            dv += (p * w)[:, None] * g
+            tl.store(DRPB + partial + l * K * K + t, tl.sum(dz, 0))
+            tl.store(DWS + partial + l * K * K + t, tl.sum(p * gv, 0))
+        tl.store(DLOGITS + b * sdlb + ky * sdly + kx * sdlx + l * sdll + h * sdlh,
+                 dz_total.to(DLOGITS.dtype.element_ty), mask=valid)
+    store_rows(DV + b * sdvb + h * sdvh, dv, ky, kx, sdvy, sdvx, sdvd, valid, D, BD)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+
+def not_supported_reasons(device: str, dtype: torch.dtype, head_dim: int) -> List[str]:
+    """Every reason these kernels cannot run such a call on ``device`` ("cuda:1", "cpu"), empty
+    if none. They keep no tile of keys in shared memory, so no shared-memory bound applies."""
+    return LIMITS.reasons(device, dtype, (head_dim,))
+
+
+def support(device: str, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """``None`` if these kernels can run such a call, else every reason why not."""
+    return "; ".join(not_supported_reasons(device, dtype, head_dim)) or None
+
+
+def _run(kernel, grid, *args, **kwargs):
+    # The one launch point. Triton launches on the current CUDA device: guard it in eager mode.
+    eager_cuda = args[0].is_cuda and not torch.compiler.is_compiling()
+    with torch.cuda.device(args[0].device) if eager_cuda else contextlib.nullcontext():
+        kernel[grid](*args, **kwargs)
+
+
+def _grid(batch_heads: int, spatial) -> tuple:
+    return (batch_heads * -(-spatial[0] // TILE[0]) * -(-spatial[1] // TILE[1]),)
+
+
+def _geometry(logits, v, kernel_size, stride):
+    B, H, W, L, heads = logits.shape
+    Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
+    return dict(heads=heads, H=H, W=W, Ho=Ho, Wo=Wo, L=L, D=v.shape[-1], K=kernel_size,
+                STRIDE=stride, TH=TILE[0], TW=TILE[1], BD=pow2(v.shape[-1], 1),
+                num_warps=NUM_WARPS)
+
+
+def _g_strides(g: torch.Tensor, sum_queries: bool) -> tuple:
+    """(b, y, x, l, h, d) strides of an output (or its gradient); l's is 0 when summed."""
+    if sum_queries:
+        sb, sy, sx, sh, sd = g.stride()
+        return sb, sy, sx, 0, sh, sd
+    return g.stride()
+
+
+def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
+    geo = _geometry(logits, v, kernel_size, stride)
+    B, L, heads, d = logits.shape[0], geo["L"], geo["heads"], geo["D"]
+    shape = (B, geo["Ho"], geo["Wo"]) + ((heads, d) if sum_queries else (L, heads, d))
+    o = v.new_empty(shape)
+    lse = torch.empty((B, geo["Ho"], geo["Wo"], L, heads), device=v.device, dtype=torch.float32)
+    _run(_qna_fwd_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"])), logits, v, rpb, ws, o, lse,
+         *logits.stride(), *v.stride(), *_g_strides(o, sum_queries), SUM_QUERIES=sum_queries,
+         **geo)
+    return o, lse
+
+
+def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries):
+    geo = _geometry(logits, v, kernel_size, stride)
+    B, heads = logits.shape[0], geo["heads"]
+    g_strides = _g_strides(g, sum_queries)
+    delta = torch.empty_like(lse)
+    _run(_qna_bwd_delta_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"])), logits, v, rpb, ws, g,
+         lse, delta, *logits.stride(), *v.stride(), *g_strides, **geo)
+    dlogits, dv = torch.empty_like(logits), torch.empty_like(v)
+    grid = _grid(B * heads, (geo["H"], geo["W"]))
+    drpb, dws = (torch.empty((grid[0],) + rpb.shape[:1] + rpb.shape[2:], device=v.device,
+                             dtype=torch.float32) for _ in range(2))  # [programs, L, k, k]
+    _run(_qna_bwd_keys_kernel, grid, logits, v, rpb, ws, g, lse, delta, dlogits, dv, drpb, dws,
+         *logits.stride(), *v.stride(), *g_strides, *dlogits.stride(), *dv.stride(), **geo)
+    # each program's tables belong to its (batch, head): programs are batch-head major
+    per_head = lambda t: t.view(B, heads, -1, *t.shape[1:]).sum((0, 2)).transpose(0, 1)  # noqa
+    return dlogits, dv, per_head(drpb), per_head(dws)
+
+
+class QnAttention(torch.autograd.Function):
+    """``apply(logits, v, rpb, window_weights, kernel_size, stride, sum_queries)`` with ``rpb``
+    and ``window_weights`` ``[L, heads, k, k]`` tensors (float32, contiguous)."""
+
+    @staticmethod
+    def forward(ctx, logits, v, rpb, ws, kernel_size, stride, sum_queries):
+        o, lse = _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries)
+        ctx.save_for_backward(logits, v, rpb, ws, lse)
+        ctx.args = (kernel_size, stride, sum_queries)
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, v, rpb, ws, lse = ctx.saved_tensors
+        return _backward(g, logits, v, rpb, ws, lse, *ctx.args) + (None,) * 3
+
+
+def qna_fused(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
+              window_weights: Optional[torch.Tensor], kernel_size: int, stride: int,
+              sum_queries: bool) -> torch.Tensor:
+    """The ``cuda`` backend of ``qna2d``: arguments as :func:`attnzoo.ops.qna.qna2d_reference`
+    (already validated). The rpb and window weights are used in float32, as the reference's
+    compute dtype for half-precision inputs; their gradients come back in their own dtype."""
+    L, heads = logits.shape[-2:]
+    shape = (L, heads, kernel_size, kernel_size)
+    rpb = logits.new_zeros(shape) if rpb is None else rpb
+    ws = logits.new_ones(shape) if window_weights is None else window_weights
+    return QnAttention.apply(logits, v, rpb.float().contiguous(), ws.float().contiguous(),
+                             kernel_size, stride, sum_queries)

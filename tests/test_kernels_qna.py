@@ -1,0 +1,148 @@
+"""attnzoo's fused Triton QnA kernels (the ``cuda`` backend of qna2d).
+
+Without a GPU these run under Triton's interpreter on CPU tensors (see
+tests/test_kernels_neighborhood.py for how the interpreter is set up); with a GPU, compiled on
+CUDA tensors. The oracle is the torch reference in float64 on the very inputs the kernel saw
+(rounded to its dtype), forward and the gradients of logits, v, rpb and window weights; the
+reference itself is checked against a brute force in tests/test_ops_qna.py (and every case
+registered with qna2d runs on this backend in tests/test_ops_registry.py).
+
+Shapes are small but reach what matters: borders (windows leaving the map), interior tiles (at
+least 3 tiles of outputs and of keys per axis), partial tiles, both strides on odd and even
+sizes, windows larger than the map, unsummed queries, and logits spanning more than the float32
+exponent range within a map (where the reference's convolution form needs its fallback).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo import backends, kernels
+from attnzoo.backends import BackendUnsupportedError
+
+if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra)
+    pytest.skip(kernels.triton_missing(), allow_module_level=True)
+
+from attnzoo.kernels import qna as kq  # noqa: E402
+from attnzoo.ops import qna as qna_module  # noqa: E402
+from attnzoo.ops import qna2d  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.interpreter
+
+# forward atol=rtol; gradients atol=rtol relative to their largest entry (the rpb and window
+# weight gradients are sums over every output)
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 8e-2}
+
+
+def check_against_reference(shape, k, stride, sum_queries=True, dtype=torch.float32,
+                            scale=1.0, bias=True, seed=0):
+    B, H, W, L, h, d = shape
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, H, W, L, h), (B, H, W, h, d)] + [(L, h, k, k)] * (2 if bias else 0)
+    inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    inputs[0] = inputs[0] * scale
+    inputs = [t.to(dtype) for t in inputs]
+    results = []
+    for backend, ins in (("cuda", [t.to(DEVICE) for t in inputs]),
+                         ("torch", [t.double() for t in inputs])):
+        ins = [t.requires_grad_() for t in ins]
+        out = qna2d(ins[0], ins[1], kernel_size=k, stride=stride, rpb=ins[2] if bias else None,
+                    window_weights=ins[3] if bias else None, sum_queries=sum_queries,
+                    backend=backend)
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                             dtype=torch.float64).to(dtype)
+        results.append((out, torch.autograd.grad(out, ins, weight.to(out))))
+    (out, grads), (ref, ref_grads) = results
+    tol = TOL[dtype]
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=tol, rtol=tol)
+    for name, got, exp in zip(("logits", "v", "rpb", "window_weights"), grads, ref_grads):
+        assert got.dtype == dtype and got.shape == exp.shape
+        norm = max(1.0, exp.abs().max().item())
+        torch.testing.assert_close(got.double().cpu() / norm, exp / norm, atol=tol, rtol=tol,
+                                   msg=lambda m: f"grad {name}: {m}")
+
+
+# (B, H, W, L, heads, head_dim), k, stride, sum_queries
+CASES = [
+    pytest.param((2, 7, 9, 2, 3, 4), 3, 1, True, id="k3-borders-b2"),
+    pytest.param((1, 17, 19, 1, 2, 8), 3, 1, True, id="k3-interior-tiles"),
+    pytest.param((1, 33, 35, 1, 1, 3), 3, 2, True, id="k3-s2-odd-interior-tiles"),
+    pytest.param((1, 6, 7, 2, 2, 3), 5, 2, False, id="k5-s2-unsummed"),
+    pytest.param((1, 5, 6, 2, 2, 5), 7, 1, False, id="k7-larger-than-map-unsummed"),
+    pytest.param((1, 8, 8, 3, 1, 2), 3, 2, True, id="k3-s2-even-L3"),
+]
+
+
+@pytest.mark.parametrize("shape,k,stride,sum_queries", CASES)
+def test_qna_kernel_matches_the_reference_fp32(shape, k, stride, sum_queries):
+    check_against_reference(shape, k, stride, sum_queries)
+
+
+def test_defaults_without_rpb_or_window_weights():
+    check_against_reference((1, 6, 5, 2, 2, 3), 3, 1, bias=False)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_logits_spanning_more_than_the_exponent_range_are_exact(stride):
+    """Logits of scale 60 span ~500 within a map: the reference takes its per-window form, the
+    kernel's online softmax needs no fallback."""
+    check_against_reference((1, 7, 8, 2, 2, 3), 3, stride, scale=60.0, seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("stride,sum_queries", [(1, True), (2, False)])
+def test_qna_kernel_low_precision(dtype, stride, sum_queries):
+    check_against_reference((1, 7, 9, 2, 2, 4), 3, stride, sum_queries, dtype=dtype)
+
+
+def test_inference_under_no_grad_and_noncontiguous_inputs():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 5, 6, 2, 3, generator=g).transpose(1, 2)[..., :2]  # strided
+    v = torch.randn(1, 6, 5, 4, 2, generator=g).transpose(-1, -2)
+    with torch.no_grad():
+        out = qna2d(logits.to(DEVICE), v.to(DEVICE), kernel_size=3, stride=2, backend="cuda")
+    torch.testing.assert_close(out.cpu(), qna2d(logits, v, kernel_size=3, stride=2,
+                                                backend="torch"), atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# support and backend selection
+# --------------------------------------------------------------------------------------------
+
+def _call(device="cuda", dtype=torch.float16, head_dim=8, grad=True):
+    return qna_module.QnACall(device, dtype, 3, 1, True, grad, head_dim)
+
+
+def test_every_reason_is_given_at_once():
+    reasons = kq.not_supported_reasons("cpu", torch.float64, 300)
+    assert any("float64" in r for r in reasons)
+    assert any("head_dim up to 256, got 300" in r for r in reasons)
+    with pytest.raises(BackendUnsupportedError) as info:
+        backends.resolve("qna2d", _call("cpu", torch.float64, 300), "cuda")
+    assert all(reason in str(info.value) for reason in reasons)
+
+
+def test_auto_runs_the_kernels_only_on_verified_architectures(monkeypatch):
+    """No record for QnA (never run on a GPU): auto leaves a CUDA call to the torch reference;
+    a record for the GPU's architecture makes auto pick the kernels."""
+    assert kernels.VERIFIED["qna"] == ()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "device_info",
+                        lambda device: kernels.DeviceInfo("NVIDIA H100", (9, 0), 227 << 10))
+    backends._resolve.cache_clear()
+    assert "not been verified on sm_90" in qna_module._kernels_trusted(_call("cuda:0"))
+    assert backends.resolve("qna2d", _call("cuda:0")) == "torch"
+    record = kernels.Verification("sm_90", "NVIDIA H100", "2026-01-01",
+                                  "pytest tests/test_kernels_qna.py", "simulated")
+    monkeypatch.setitem(kernels.VERIFIED, "qna", (record,))
+    backends._resolve.cache_clear()
+    assert backends.resolve("qna2d", _call("cuda:0")) == "cuda"
+    backends._resolve.cache_clear()
+
+
+def test_auto_never_picks_the_interpreter():
+    assert qna_module._kernels_trusted(_call("cpu")) is not None
+    assert attnzoo.backends.resolve("qna2d", _call("cpu", torch.float32)) == "torch"
