@@ -431,10 +431,10 @@ def simulated_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: queried.append(index) or GPUS[index])
     kernels._cuda_device_info.cache_clear()
-    nbh._note_unverified.cache_clear()
+    kernels._note_unverified.cache_clear()
     yield queried
     kernels._cuda_device_info.cache_clear()
-    nbh._note_unverified.cache_clear()
+    kernels._note_unverified.cache_clear()
 
 
 def test_support_is_decided_by_each_devices_own_properties(simulated_gpus):
@@ -481,7 +481,7 @@ def test_auto_runs_the_kernels_only_on_verified_architectures(simulated_gpus, mo
     monkeypatch.setitem(kernels.VERIFIED, "neighborhood", (record,))
     assert kernels.verified("neighborhood", "cuda:0") == record
     assert backends.resolve("na2d", _call("cuda:0")) == "cuda"
-    with caplog.at_level(logging.INFO, logger="attnzoo.ops.neighborhood"):
+    with caplog.at_level(logging.INFO, logger="attnzoo.kernels"):
         assert backends.resolve("na2d", _call("cuda:1")) == "torch"  # rpb: not NATTEN >= 0.20
         backends.resolve("na2d", _call("cuda:1", torch.float16))
     assert caplog.text.count("not been verified on sm_86 (NVIDIA A10)") == 1  # once per arch

@@ -32,6 +32,7 @@ interpreted functions) and while the kernels run on CPU (:func:`interpreter_enab
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
@@ -39,7 +40,9 @@ from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Se
 import torch
 
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
-           "Autotuner", "Verification", "VERIFIED", "verified"]
+           "Autotuner", "Verification", "VERIFIED", "verified", "unverified"]
+
+_logger = logging.getLogger(__name__)
 
 
 def interpreter_enabled() -> bool:
@@ -244,3 +247,23 @@ def verified(family: str, device: str) -> Optional[Verification]:
     """The record of ``family``'s validation on ``device``'s architecture, or ``None``."""
     arch = device_info(device).arch
     return next((v for v in VERIFIED.get(family, ()) if v.arch == arch), None)
+
+
+def unverified(family: str, device: str, kernels: str) -> Optional[str]:
+    """A family's answer to ``auto`` (its backend's ``trusted``): ``None`` on a GPU whose
+    architecture :data:`VERIFIED` records for ``family``, else why not (``kernels`` names them:
+    "the cuda NA kernels"), logged once per architecture and process. An explicit
+    ``backend="cuda"`` does not ask."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return "no GPU here (Triton's interpreter is for tests)"
+    if verified(family, device) is not None:
+        return None
+    info = device_info(device)
+    reason = f"{kernels} have not been verified on {info.arch} ({info.name})"
+    _note_unverified(reason)
+    return reason
+
+
+@functools.lru_cache(maxsize=None)
+def _note_unverified(reason: str) -> None:  # once per family, architecture and process
+    _logger.info("attnzoo: %s: auto leaves them out there; backend='cuda' runs them", reason)

@@ -20,7 +20,6 @@ dense masked attention. The index tables depend only on the shape and are cached
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -30,8 +29,6 @@ import torch.nn.functional as F
 from .. import backends, kernels
 
 __all__ = ["na1d", "na2d", "na_reference", "na_export"]
-
-_logger = logging.getLogger(__name__)
 
 IntOrTuple = Union[int, Sequence[int]]
 
@@ -487,20 +484,7 @@ def _kernels_trusted(call: NACall) -> Optional[str]:
     """``auto`` runs our kernels only on GPU architectures where they passed their validation (a
     record in :data:`attnzoo.kernels.VERIFIED`; none until they have run on a GPU); an explicit
     ``backend="cuda"`` always runs them."""
-    from .. import kernels
-    if _device_type(call) != "cuda" or not torch.cuda.is_available():
-        return "no GPU here (Triton's interpreter is for tests)"
-    if kernels.verified("neighborhood", call.device) is not None:
-        return None
-    info = kernels.device_info(call.device)
-    _note_unverified(info.arch, info.name)
-    return f"the cuda NA kernels have not been verified on {info.arch} ({info.name})"
-
-
-@functools.lru_cache(maxsize=None)
-def _note_unverified(arch: str, gpu: str) -> None:  # once per architecture and process
-    _logger.info("attnzoo: the cuda NA kernels have not been verified on %s (%s): auto runs NA "
-                 "on natten or torch there; backend='cuda' runs them", arch, gpu)
+    return kernels.unverified("neighborhood", call.device, "the cuda NA kernels")
 
 
 def _na_macs(q, k, v, kernel_size, dilation, rpb, scale) -> int:

@@ -399,12 +399,7 @@ def _qna_cuda(logits, v, rpb, window_weights, kernel_size, stride, sum_queries):
 def _kernels_trusted(call: QnACall) -> Optional[str]:
     """``auto`` runs the QnA kernels only on GPU architectures where they passed their
     validation (:data:`attnzoo.kernels.VERIFIED`); ``backend="cuda"`` always runs them."""
-    if torch.device(call.device).type != "cuda" or not torch.cuda.is_available():
-        return "no GPU here (Triton's interpreter is for tests)"
-    if kernels.verified("qna", call.device) is not None:
-        return None
-    info = kernels.device_info(call.device)
-    return f"the cuda QnA kernels have not been verified on {info.arch} ({info.name})"
+    return kernels.unverified("qna", call.device, "the cuda QnA kernels")
 
 
 def _qna_macs(logits, v, rpb, window_weights, kernel_size, stride, sum_queries) -> int:
