@@ -484,6 +484,9 @@ def test_convert_cli_and_load_through_timm(tmp_path, capsys):
                                          f'qna_vit_tiny {ckpt}'):
         timm.create_model('qna_vit_tiny', pretrained=True,
                           pretrained_cfg_overlay=dict(file=str(ckpt)))
+    with pytest.raises(FileNotFoundError, match=f'file {str(out)!r} does not exist'):
+        timm.create_model('qna_vit_tiny', pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(out)))  # not converted yet
     assert cli.main(['convert', 'qna_vit_tiny', str(ckpt), str(out)]) == 0
     assert 'wrote' in capsys.readouterr().out
     model = timm.create_model('qna_vit_tiny', pretrained=True,

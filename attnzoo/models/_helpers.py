@@ -113,10 +113,12 @@ def _check_hub_weights(tag: str, variant: str, cfg: PretrainedCfg) -> None:
 
 
 def _check_local_file(tag: str, variant: str, path) -> None:
-    """A ``file=`` overlay that timm cannot load (not a torch / safetensors file: an
-    unconverted official checkpoint) raises here, naming the file and the fix, instead of an
-    error from deep inside ``torch.load``. (timm's ``local-dir:`` passes a folder: its own.)"""
+    """A ``file=`` overlay that timm cannot load (missing, or not a torch / safetensors file:
+    an unconverted official checkpoint) raises here, naming the file and the fix, instead of
+    an error from deep inside ``torch.load``. (timm's ``local-dir:`` passes a folder: its own.)"""
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{tag}: pretrained_cfg_overlay file {path!r} does not exist")
     if os.path.isfile(path) and not path.endswith(".safetensors") \
             and checkpoint_kind(path) is None:
         raise ValueError(
