@@ -31,6 +31,7 @@ interpreted functions) and while the kernels run on CPU (:func:`interpreter_enab
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -40,7 +41,7 @@ from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Se
 import torch
 
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
-           "Autotuner", "Verification", "VERIFIED", "verified", "unverified"]
+           "Autotuner", "Verification", "VERIFIED", "verified", "unverified", "launch_on_device"]
 
 _logger = logging.getLogger(__name__)
 
@@ -163,6 +164,18 @@ def _interpreted() -> bool:
     the first of them was imported)."""
     from .tiling import INTERPRETED
     return INTERPRETED
+
+
+def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
+    """Launch Triton ``kernel`` on the device of its first argument. Triton launches on the
+    current CUDA device, so eager calls are guarded (a compiled graph guards devices itself).
+    ``warmup``: compile only, and return the compiled kernel (the autotuner reads its spills)."""
+    eager_cuda = args[0].is_cuda and not torch.compiler.is_compiling()
+    with torch.cuda.device(args[0].device) if eager_cuda else contextlib.nullcontext():
+        if warmup:
+            return kernel.warmup(*args, grid=grid, **kwargs)
+        kernel[grid](*args, **kwargs)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import Autotuner, KernelLimits, can_tune, device_info, tiling
+from . import Autotuner, KernelLimits, can_tune, device_info, launch_on_device, tiling
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, store_rows, tile_positions,
@@ -425,17 +425,11 @@ def capture_launches() -> Iterator[List[tuple]]:
 
 
 def _run(kernel, grid, *args, warmup=False, **kwargs):
-    # The one launch point (see capture_launches). Triton launches on the current CUDA device:
-    # guard it in eager mode (a compiled graph guards devices itself). ``warmup``: compile only
-    # and return the compiled kernel (the autotuner reads its spills).
+    # The one launch point (see capture_launches); ``warmup``: see kernels.launch_on_device.
     if _captured is not None:
         _captured.append((kernel, grid, args, kwargs))
         return None
-    eager_cuda = args[0].is_cuda and not torch.compiler.is_compiling()
-    with torch.cuda.device(args[0].device) if eager_cuda else contextlib.nullcontext():
-        if warmup:
-            return kernel.warmup(*args, grid=grid, **kwargs)
-        kernel[grid](*args, **kwargs)
+    return launch_on_device(kernel, grid, *args, warmup=warmup, **kwargs)
 
 
 def _launch(kernel: str, q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool,

@@ -23,14 +23,13 @@ Backward, recomputing the probabilities from the log-sum-exp
 """
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from . import KernelLimits
+from . import KernelLimits, launch_on_device
 from .tiling import LOG2E, load_rows, pow2, program_tile, store_rows, tile_positions
 
 __all__ = ["QnAttention", "qna_fused", "support", "not_supported_reasons", "LIMITS"]
@@ -196,13 +195,6 @@ def support(device: str, dtype: torch.dtype, head_dim: int) -> Optional[str]:
     return "; ".join(not_supported_reasons(device, dtype, head_dim)) or None
 
 
-def _run(kernel, grid, *args, **kwargs):
-    # The one launch point. Triton launches on the current CUDA device: guard it in eager mode.
-    eager_cuda = args[0].is_cuda and not torch.compiler.is_compiling()
-    with torch.cuda.device(args[0].device) if eager_cuda else contextlib.nullcontext():
-        kernel[grid](*args, **kwargs)
-
-
 def _grid(batch_heads: int, spatial) -> tuple:
     return (batch_heads * -(-spatial[0] // TILE[0]) * -(-spatial[1] // TILE[1]),)
 
@@ -229,9 +221,9 @@ def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
     shape = (B, geo["Ho"], geo["Wo"]) + ((heads, d) if sum_queries else (L, heads, d))
     o = v.new_empty(shape)
     lse = torch.empty((B, geo["Ho"], geo["Wo"], L, heads), device=v.device, dtype=torch.float32)
-    _run(_qna_fwd_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"])), logits, v, rpb, ws, o, lse,
-         *logits.stride(), *v.stride(), *_g_strides(o, sum_queries), SUM_QUERIES=sum_queries,
-         **geo)
+    launch_on_device(_qna_fwd_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"])), logits, v, rpb,
+                     ws, o, lse, *logits.stride(), *v.stride(), *_g_strides(o, sum_queries),
+                     SUM_QUERIES=sum_queries, **geo)
     return o, lse
 
 
@@ -240,14 +232,15 @@ def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries):
     B, heads = logits.shape[0], geo["heads"]
     g_strides = _g_strides(g, sum_queries)
     delta = torch.empty_like(lse)
-    _run(_qna_bwd_delta_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"])), logits, v, rpb, ws, g,
-         lse, delta, *logits.stride(), *v.stride(), *g_strides, **geo)
+    launch_on_device(_qna_bwd_delta_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"])), logits, v,
+                     rpb, ws, g, lse, delta, *logits.stride(), *v.stride(), *g_strides, **geo)
     dlogits, dv = torch.empty_like(logits), torch.empty_like(v)
     grid = _grid(B * heads, (geo["H"], geo["W"]))
     drpb, dws = (torch.empty((grid[0],) + rpb.shape[:1] + rpb.shape[2:], device=v.device,
                              dtype=torch.float32) for _ in range(2))  # [programs, L, k, k]
-    _run(_qna_bwd_keys_kernel, grid, logits, v, rpb, ws, g, lse, delta, dlogits, dv, drpb, dws,
-         *logits.stride(), *v.stride(), *g_strides, *dlogits.stride(), *dv.stride(), **geo)
+    launch_on_device(_qna_bwd_keys_kernel, grid, logits, v, rpb, ws, g, lse, delta, dlogits, dv,
+                     drpb, dws, *logits.stride(), *v.stride(), *g_strides, *dlogits.stride(),
+                     *dv.stride(), **geo)
     # each program's tables belong to its (batch, head): programs are batch-head major
     per_head = lambda t: t.view(B, heads, -1, *t.shape[1:]).sum((0, 2)).transpose(0, 1)  # noqa
     return dlogits, dv, per_head(drpb), per_head(dws)
