@@ -152,13 +152,14 @@ def ensure_pretrained(model_name: str, hub: Path) -> Path | None:
     signature = sorted((k, tuple(v.shape), str(v.dtype)) for k, v in layout_fn(model.state_dict(), model).items())
     digest = hashlib.sha256(repr((layout_name, signature)).encode()).hexdigest()[:16]
     suffix = ".safetensors" if filename.endswith(".safetensors") else ".bin"
-    store = hub.parent / "weights-store"
+    store = _store_dir(hub)
     store.mkdir(parents=True, exist_ok=True)
     src = _generate(model, model_name, layout_fn, store / f"{digest}{suffix}")
     if not cfg.hf_hub_id:
         target = Path(torch.hub.get_dir()) / "checkpoints" / filename
         target.parent.mkdir(parents=True, exist_ok=True)
-        if not target.exists():
+        if not target.exists():  # absent, or left dangling by release_pretrained
+            target.unlink(missing_ok=True)
             target.symlink_to(src)
         return target
     # tests/hub_cache.py lays out refs/<revision> + snapshots/<commit>/<filename> (a symlink to
@@ -167,6 +168,19 @@ def ensure_pretrained(model_name: str, hub: Path) -> Path | None:
         snapshot = write_hf_cache(hub, repo_id, {filename: src}, revision=revision or "main", link=True)
     return snapshot / filename
 
+
+def _store_dir(hub: Path) -> Path:
+    return hub.parent / "weights-store"
+
+
+def release_pretrained(path: Path, hub: Path) -> None:
+    """Delete the generated checkpoint behind ``path`` (what ``ensure_pretrained`` returned) once
+    its test is done, so the run holds one model's weights at a time instead of every pretrained
+    model's (GBs with DiNAT-L); a later test of the same weights generates them again. A user's
+    ``pretrained_cfg`` file is never touched."""
+    real = path.resolve()
+    if real.parent == _store_dir(hub).resolve():
+        real.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -294,6 +294,10 @@ def _attnzoo_timm_suite_env(request, monkeypatch):
     torch.hub.set_dir(str(run_dir / "torch-hub"))
     request.addfinalizer(lambda: torch.hub.set_dir(previous_hub_dir))
     with hf_cache.offline_hf_cache(hf_cache.hub_dir(run_dir)) as hub_dir:
+        weights = None
         if request.node.originalname in PRETRAINED_TESTS:
-            hf_cache.ensure_pretrained(request.node.callspec.params["model_name"], hub_dir)
+            weights = hf_cache.ensure_pretrained(request.node.callspec.params["model_name"], hub_dir)
         yield
+        # One checkpoint on disk at a time; with xdist another worker may be reading it.
+        if weights is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+            hf_cache.release_pretrained(weights, hub_dir)
