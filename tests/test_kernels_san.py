@@ -3,7 +3,8 @@ san_subtraction2 and san_aggregation).
 
 Without a GPU these run under Triton's interpreter on CPU tensors (tests/conftest.py); with a
 GPU, compiled on CUDA tensors. The oracle is the torch reference in float64 on the very inputs
-the kernels saw (rounded to their dtype), forward and every input's gradient; the reference
+the kernels saw (rounded to their dtype), forward and every input's gradient, with every memory
+access of the fp32 launches checked to fall inside their tensors; the reference
 itself is checked against a brute force in tests/test_ops_san.py, and every case registered with
 the SAN ops runs on this backend in tests/test_ops_registry.py.
 
@@ -97,7 +98,7 @@ CASES = [
 
 @pytest.mark.parametrize("shape,geometry", CASES)
 @pytest.mark.parametrize("op", OPS)
-def test_san_kernels_match_the_reference_fp32(op, shape, geometry):
+def test_san_kernels_match_the_reference_fp32(op, shape, geometry, bounds_checked):
     check_against_reference(op, shape, **geometry)
 
 
@@ -108,7 +109,7 @@ def test_san_kernels_low_precision(op, dtype):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_noncontiguous_inputs(op):
+def test_noncontiguous_inputs(op, bounds_checked):
     """Maps are read through their strides: the first channels-last, a second one (x2 of
     subtraction2: strides unlike x1's) or the weight column-major."""
     def transform(ins):
