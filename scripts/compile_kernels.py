@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile attnzoo's NA kernels as Triton launches them for the registered models, for sm80,
+"""Compile attnzoo's Triton kernels as Triton launches them for the registered models, for sm80,
 sm86, sm89 and sm90, without a GPU. Not a test.
 
 The Triton interpreter (how CI checks the kernels' numbers on CPU) accepts programs the compiler
@@ -20,9 +20,15 @@ rejects, and says nothing of registers, spills or shared memory. This script:
    over the models' launches and the configurations; ``--write`` puts the table in
    BENCHMARKS.md between its markers.
 
+QnA's and SAN's kernels (``--families qna,san``; one configuration each, nothing in shared
+memory of their own) are compiled for the launches of their ops' registered examples, the
+families' stage shapes (``attnzoo.backends.op_examples``), forward and backward, captured the
+same way on meta tensors; their table has markers of its own.
+
     python scripts/compile_kernels.py --write BENCHMARKS.md   # every model (about an hour)
     python scripts/compile_kernels.py --quick --arch 80,90    # one launch (the test suite)
     python scripts/compile_kernels.py --models nat_tiny --arch 90 --dtypes bf16 --jobs 2
+    python scripts/compile_kernels.py --families qna,san --arch 80,90 --write BENCHMARKS.md
 
 Exit status 1 if a compile fails, spills, needs more shared memory than its arch has, or more
 than ``kernels.neighborhood.shared_memory`` says (the bound the support check and the
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import importlib
 import io
 import os
 import re
@@ -54,7 +61,10 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import attnzoo  # noqa: E402
+from attnzoo import backends  # noqa: E402
 from attnzoo.kernels import neighborhood as kn  # noqa: E402
+from attnzoo.kernels import qna as kq  # noqa: E402
+from attnzoo.kernels import san as ks  # noqa: E402
 from attnzoo.kernels.tiling import LOG2E  # noqa: E402
 from attnzoo.layers import neighborhood as na_layer  # noqa: E402
 from attnzoo.profiling import first_line  # noqa: E402
@@ -66,8 +76,14 @@ DTYPES = {"fp32": (torch.float32, "highest"), "tf32": (torch.float32, "high"),
 # H100 227 (CUDA C Programming Guide, compute capabilities table).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 KERNELS = {"_na_fwd_kernel": "fwd", "_na_bwd_dq_kernel": "dq", "_na_bwd_dkdv_kernel": "dkdv"}
-MARK_BEGIN = "<!-- compile_kernels.py table begin -->"
-MARK_END = "<!-- compile_kernels.py table end -->"
+# family -> its ops (none: NA, captured from the models) and the BENCHMARKS.md block it writes
+FAMILIES = {"na": ((), "table"), "qna": (("qna2d",), "qna san table"),
+            "san": (("san_aggregation", "san_subtraction", "san_subtraction2"), "qna san table")}
+OP_KERNELS = {"qna2d": kq, "san_aggregation": ks, "san_subtraction": ks, "san_subtraction2": ks}
+
+
+def markers(block: str) -> Tuple[str, str]:
+    return f"<!-- compile_kernels.py {block} begin -->", f"<!-- compile_kernels.py {block} end -->"
 
 
 class Call(NamedTuple):
@@ -137,6 +153,35 @@ def qkv_call(shape, kernel_size, dilation, has_rpb, dtype, label=None) -> Call:
                 kernel_size, dilation, d ** -0.5, torch.empty_like(v))
 
 
+def example_launches(op: str, dtype: torch.dtype) -> Dict[str, List[tuple]]:
+    """Example label -> the launches (jit function, args, kwargs) of ``op``'s registered example
+    on the ``cuda`` backend, forward and backward, captured on meta tensors (the kernel module's
+    support check is told yes: meta tensors are not CUDA tensors)."""
+    module = OP_KERNELS[op]
+    launches = []
+
+    def record(kernel, grid, *args, warmup=False, **kwargs):
+        launches.append((kernel, args, kwargs))
+
+    out = {}
+    real = module.launch_on_device, module.support
+    module.launch_on_device, module.support = record, lambda *args: None
+    try:
+        for label, run in backends.op_examples(op, "meta", dtype):
+            backends.reset()
+            launches.clear()
+            run("cuda").float().sum().backward()
+            out[f"{op} {label}"] = list(launches)
+    finally:
+        module.launch_on_device, module.support = real
+        backends.reset()
+    return out
+
+
+def _short(fn) -> str:
+    return fn.__name__.strip("_").replace("_kernel", "")
+
+
 def specialize(fn, args, kwargs, arch: int):
     """(ASTSource, options) as ``fn[grid](*args, **kwargs)`` would compile them for ``arch``:
     Triton's launch-time binder and argument packing (JITFunction.run / _pack_args)."""
@@ -171,15 +216,16 @@ class Result(NamedTuple):
 
 def compile_one(job) -> Result:
     """Compile one specialized launch: (kernel name, signature, constexprs, attrs, options,
-    arch, shared-memory bound); picklable, for a worker process. Spills are what ptxas reports
-    (``-v``, which Triton passes; its log is printed with TRITON_DUMP_PTXAS_LOG, so compiles
-    bypass Triton's cache to produce it)."""
-    fn_name, signature, constexprs, attrs, options, arch, bound = job
+    arch, shared-memory bound, kernel module); picklable, for a worker process. Spills are what
+    ptxas reports (``-v``, which Triton passes; its log is printed with TRITON_DUMP_PTXAS_LOG, so
+    compiles bypass Triton's cache to produce it)."""
+    fn_name, signature, constexprs, attrs, options, arch, bound, module = job
     knobs.nvidia.dump_ptxas_log = True
     knobs.compilation.always_compile = True
     log = io.StringIO()
     try:
-        src = ASTSource(getattr(kn, fn_name), signature, constexprs, attrs)
+        src = ASTSource(getattr(importlib.import_module(module), fn_name), signature,
+                        constexprs, attrs)
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log.getvalue()))
@@ -226,6 +272,8 @@ def _save_results(path: Path, results: Dict[str, Result]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", default=",".join(FAMILIES),
+                   help=f"kernel families, of {', '.join(FAMILIES)}")
     p.add_argument("--models", default=None,
                    help="comma-separated attnzoo models (default: every NAT/DiNAT model)")
     p.add_argument("--arch", default="80,86,89,90", help="compute capabilities, comma-separated")
@@ -233,7 +281,8 @@ def main(argv=None) -> int:
                    help=f"of {', '.join(DTYPES)} (tf32: fp32 inputs under "
                         "torch.set_float32_matmul_precision('high'))")
     p.add_argument("--quick", action="store_true",
-                   help="nat_tiny's first stage in bf16, default configuration only")
+                   help="nat_tiny's first stage in bf16, default configuration only (and the "
+                        "first example of each QnA / SAN op in bf16)")
     p.add_argument("--no-extra", action="store_true", help="only the models' launches")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
     p.add_argument("--dry-run", action="store_true", help="count the distinct compiles only")
@@ -246,6 +295,9 @@ def main(argv=None) -> int:
     unknown = [a for a in archs if a not in SHARED_LIMIT]
     if unknown:
         p.error(f"--arch {unknown}: accepted {', '.join(map(str, SHARED_LIMIT))}")
+    families = args.families.split(",")
+    if not set(families) <= set(FAMILIES):
+        p.error(f"--families {args.families}: accepted {', '.join(FAMILIES)}")
     dtype_names = args.dtypes.split(",")
     if not set(dtype_names) <= set(DTYPES):
         p.error(f"--dtypes {args.dtypes}: accepted {', '.join(DTYPES)}")
@@ -254,7 +306,9 @@ def main(argv=None) -> int:
     # 1. the calls: (row label, dtype name) -> calls; the models using each row
     calls: Dict[Tuple[str, str], List[Call]] = {}
     users: Dict[str, set] = {}
-    if args.quick:
+    if "na" not in families:
+        pass
+    elif args.quick:
         # nat_tiny's first stage at batch 2
         calls[("56x56 K7 d1 hd32", "bf16")] = [
             qkv_call((2, 56, 56, 2, 32), (7, 7), (1, 1), True, torch.bfloat16)]
@@ -297,8 +351,30 @@ def main(argv=None) -> int:
                         bound = kn.shared_memory(kernel, config, head_dims, call.q.dtype,
                                                  call.kernel_size)
                         jobs[key] = (fn.__name__, src.signature, src.constants, src.attrs,
-                                     options.__dict__, arch, bound)
+                                     options.__dict__, arch, bound, fn.__module__)
                         keys.add(key)
+    # QnA's and SAN's launches: one configuration; no shared-memory bound but the arch's
+    block_of = {}  # row label -> its BENCHMARKS.md block (NA's rows: "table")
+    for family in families:
+        ops, block = FAMILIES[family]
+        for op in ops:
+            for dtype_name in ["bf16"] if args.quick else dtype_names:
+                if dtype_name == "tf32":
+                    continue  # these kernels multiply without tl.dot: tf32 is fp32
+                examples = list(example_launches(op, DTYPES[dtype_name][0]).items())
+                for label, launches in examples[:1] if args.quick else examples:
+                    block_of[label] = block
+                    for fn, fargs, fkwargs in launches:
+                        for arch in archs:
+                            src, options = specialize(fn, fargs, fkwargs, arch)
+                            key = repr((fn.__name__, arch, src.signature,
+                                        sorted(src.constants.items()), sorted(src.attrs.items()),
+                                        sorted(options.__dict__.items())))
+                            jobs[key] = (fn.__name__, src.signature, src.constants, src.attrs,
+                                         options.__dict__, arch, SHARED_LIMIT[arch],
+                                         fn.__module__)
+                            rows.setdefault((label, _short(fn), arch), {}).setdefault(
+                                dtype_name, set()).add(key)
     torch.set_float32_matmul_precision("highest")
     print(f"{sum(len(c) for c in calls.values())} calls, {len(jobs)} distinct compiles",
           flush=True)
@@ -331,7 +407,7 @@ def main(argv=None) -> int:
         _save_results(saved, results)
 
     # 4. table (per row and kernel, the worst over dtypes and configurations) and verdict
-    failures, spilled, lines = 0, 0, []
+    failures, spilled, lines = 0, 0, {}
     for (label, kernel, arch), by_dtype in rows.items():
         if arch != archs[0]:
             continue
@@ -352,13 +428,14 @@ def main(argv=None) -> int:
             cells.append(f"{max(r.regs for r in got)} / {spills} B / {shared / 1024:.0f} KiB "
                          f"({100 * shared / SHARED_LIMIT[arch]:.0f}%)"
                          + (" OVER" if over else ""))
-        lines.append(f"| {label} | {', '.join(by_dtype)} | {kernel} | {n_configs} | "
-                     + " | ".join(cells) + " |")
+        lines.setdefault(block_of.get(label, "table"), []).append(
+            f"| {label} | {', '.join(by_dtype)} | {kernel} | {n_configs} | "
+            + " | ".join(cells) + " |")
     header = ("| stage shape | dtypes | kernel | launches compiled | "
               + " | ".join(f"sm{a}: regs / spills / shared (of {SHARED_LIMIT[a] // 1024} KiB)"
                            for a in archs) + " |\n|---|---|---|---|" + "---|" * len(archs))
-    table = header + "\n" + "\n".join(lines)
-    print(table)
+    tables = {block: header + "\n" + "\n".join(rows_) for block, rows_ in lines.items()}
+    print("\n\n".join(tables.values()))
     failures += spilled
     verdict = (f"{len(jobs)} distinct compiles: "
                + (f"{'no' if not spilled else spilled} spilling launch(es) of the models, "
@@ -368,14 +445,19 @@ def main(argv=None) -> int:
     if args.write:
         path = Path(args.write)
         text = path.read_text()
-        if MARK_BEGIN not in text or MARK_END not in text:
-            p.error(f"{path} has no {MARK_BEGIN} ... {MARK_END} markers")
-        used = "\n".join(f"- {label}: {', '.join(sorted(names))}"
-                         for label, names in users.items())
-        block = (f"{MARK_BEGIN}\nTriton {triton.__version__}, torch {torch.__version__}; "
-                 f"{verdict}.\n\n{table}\n\nModels per stage shape:\n\n{used}\n{MARK_END}")
-        head, rest = text.split(MARK_BEGIN, 1)
-        path.write_text(head + block + rest.split(MARK_END, 1)[1])
+        for name, table in tables.items():
+            begin, end = markers(name)
+            if begin not in text or end not in text:
+                p.error(f"{path} has no {begin} ... {end} markers")
+            used = ("\n\nModels per stage shape:\n\n" + "\n".join(
+                f"- {label}: {', '.join(sorted(names))}" for label, names in users.items())
+                if name == "table" else "")
+            block = (f"{begin}\nTriton {triton.__version__}, torch {torch.__version__}; "
+                     f"`{' '.join(['python scripts/compile_kernels.py'] + (argv or sys.argv[1:]))}`"
+                     f": {verdict}.\n\n{table}{used}\n{end}")
+            head, rest = text.split(begin, 1)
+            text = head + block + rest.split(end, 1)[1]
+        path.write_text(text)
         print(f"wrote {path}")
     print("all compiled" if not failures else f"{failures} failure(s)")
     return 1 if failures else 0

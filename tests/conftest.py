@@ -69,6 +69,46 @@ def backend_state(request, monkeypatch):
     backends.reset()
 
 
+@pytest.fixture
+def bounds_checked(monkeypatch):
+    """Under the interpreter, every load and store of an attnzoo kernel launch (any family) must
+    fall inside the elements of one of the tensors the launch was given (the interpreter reads
+    raw memory: a stray pointer reads whatever lies there and passes unnoticed)."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the interpreter's memory accesses")
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    from attnzoo.kernels import neighborhood, qna, san
+    extents = []
+
+    def checked(run):
+        def checked_run(kernel, grid, *args, **kwargs):
+            extents[:] = [(t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum(
+                (n - 1) * stride for n, stride in zip(t.shape, t.stride()))))
+                for t in args if isinstance(t, torch.Tensor) and t.numel()]
+            return run(kernel, grid, *args, **kwargs)
+        return checked_run
+
+    def check(ptrs, mask, what):
+        size = ptrs.get_element_ty().primitive_bitwidth // 8
+        address = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.int64)
+        inside = np.zeros(address.shape, bool)
+        for start, end in extents:
+            inside |= (address >= start) & (address + size <= end)
+        assert inside.all(), f"{what} outside every argument tensor: {address[~inside][:4]}"
+
+    # NA launches through its _run (the capture seam); QnA and SAN through launch_on_device
+    monkeypatch.setattr(neighborhood, "_run", checked(neighborhood._run))
+    for module in (qna, san):
+        monkeypatch.setattr(module, "launch_on_device", checked(module.launch_on_device))
+    load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_load", lambda self, ptrs, mask, *a: (
+        check(ptrs, mask, "load"), load(self, ptrs, mask, *a))[1])
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_store", lambda self, ptrs, v, mask, *a: (
+        check(ptrs, mask, "store"), store(self, ptrs, v, mask, *a))[1])
+
+
 def pytest_configure(config):
     if not config.pluginmanager.is_registered(_timm_suite_plugin):
         config.pluginmanager.register(_timm_suite_plugin, "attnzoo-timm-suite")

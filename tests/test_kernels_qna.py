@@ -27,6 +27,7 @@ if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra
 from attnzoo.kernels import qna as kq  # noqa: E402
 from attnzoo.ops import qna as qna_module  # noqa: E402
 from attnzoo.ops import qna2d  # noqa: E402
+import tiny_models  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.interpreter
@@ -77,7 +78,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("shape,k,stride,sum_queries", CASES)
-def test_qna_kernel_matches_the_reference_fp32(shape, k, stride, sum_queries):
+def test_qna_kernel_matches_the_reference_fp32(shape, k, stride, sum_queries, bounds_checked):
     check_against_reference(shape, k, stride, sum_queries)
 
 
@@ -98,7 +99,7 @@ def test_qna_kernel_low_precision(dtype, stride, sum_queries):
     check_against_reference((1, 7, 9, 2, 2, 4), 3, stride, sum_queries, dtype=dtype)
 
 
-def test_inference_under_no_grad_and_noncontiguous_inputs():
+def test_inference_under_no_grad_and_noncontiguous_inputs(bounds_checked):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 5, 6, 2, 3, generator=g).transpose(1, 2)[..., :2]  # strided
     v = torch.randn(1, 6, 5, 4, 2, generator=g).transpose(-1, -2)
@@ -146,3 +147,25 @@ def test_auto_runs_the_kernels_only_on_verified_architectures(monkeypatch):
 def test_auto_never_picks_the_interpreter():
     assert qna_module._kernels_trusted(_call("cpu")) is not None
     assert attnzoo.backends.resolve("qna2d", _call("cpu", torch.float32)) == "torch"
+
+
+def test_qna_vit_on_cuda_equals_torch():
+    """A whole QnA-ViT (the registered class, narrow: QnA blocks with k = 3 and 5, both
+    downsampling kernels, LSA blocks) gives the torch backend's logits and parameter gradients."""
+    model = tiny_models.randomize(tiny_models.qna_vit())
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    results = []
+    for backend in ("cuda", "torch"):
+        model.zero_grad()
+        with attnzoo.use_backend(backend):
+            logits = model.to(DEVICE)(x.to(DEVICE))
+            logits.square().sum().backward()
+        results.append((logits.detach().cpu(),
+                        {n: p.grad.cpu() for n, p in model.named_parameters()}))
+    (logits, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        norm = max(1.0, ref_grads[name].abs().max().item())
+        torch.testing.assert_close(grads[name] / norm, ref_grads[name] / norm, atol=1e-4,
+                                   rtol=1e-4, msg=lambda m: f"grad {name}: {m}")

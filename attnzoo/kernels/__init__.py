@@ -1,6 +1,6 @@
 """attnzoo's fused GPU kernels, written in Triton (the ``cuda`` backend of the ops).
 
-One module per op family (``neighborhood.py``), each exposing a ``torch.autograd.Function``
+One module per op family (``neighborhood.py``, ``qna.py``, ``san.py``), each exposing a ``torch.autograd.Function``
 with forward and backward; ``tiling.py`` holds what the families' kernels share (window
 arithmetic, query tiles and the key regions they stream, strided loads, the online-softmax
 step, the precision rule, the work count). This module holds what their host code shares:
@@ -124,7 +124,7 @@ class KernelLimits(NamedTuple):
     def reasons(self, device: str, dtype: torch.dtype, head_dims: Sequence[int],
                 shared_memory: Optional[int] = None) -> List[str]:
         """Every reason these kernels cannot run a call on ``device`` (a torch device string
-        with its index) in ``dtype`` with these head dims (q's, v's); ``shared_memory``: bytes
+        with its index) in ``dtype`` with these head dims (q's, v's; none for an op without heads); ``shared_memory``: bytes
         per block the family's smallest configuration needs for the call, checked against a
         CUDA device's limit (not under the interpreter, which has none). Empty if none."""
         missing = triton_missing()
@@ -153,7 +153,7 @@ class KernelLimits(NamedTuple):
                                f"{_kib(info.shared_memory)}")
         if dtype not in self.dtypes:
             reasons.append(f"{self.name} support {', '.join(map(str, self.dtypes))}, not {dtype}")
-        if max(head_dims) > self.max_head_dim:
+        if head_dims and max(head_dims) > self.max_head_dim:
             reasons.append(f"{self.name} support head_dim up to {self.max_head_dim}, got "
                            f"{max(head_dims)}")
         return reasons
@@ -253,6 +253,7 @@ class Verification(NamedTuple):
 VERIFIED: Dict[str, Tuple[Verification, ...]] = {
     "neighborhood": (),
     "qna": (),
+    "san": (),
 }
 
 

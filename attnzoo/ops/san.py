@@ -22,8 +22,9 @@ The torch reference (any device and float dtype, differentiable) gathers the foo
 ``F.unfold`` for the subtractions, whose outputs are ``kk``-times larger than their inputs
 anyway, and aggregates tap by tap over shifted views of the padded input, forward and (a
 hand-written autograd Function) backward, so it never builds the ``kk``-times larger unfolded
-copy of ``x``. NATTEN has no such ops; attnzoo's fused Triton kernels (the ``cuda`` backend) are
-a named slot until they land.
+copy of ``x``. NATTEN has no such ops. The ``cuda`` backend is attnzoo's fused Triton kernels
+(:mod:`attnzoo.kernels.san`): one launch per op and direction, each tap read from the input
+directly; ``auto`` takes them only on GPU architectures where they were verified.
 
 MACs (:func:`attnzoo.profiling.count_macs`): the aggregation ``N * C * L * kk`` multiply-adds,
 the subtractions one per output element (as SAN's official counter counts them).
@@ -35,7 +36,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .. import backends
+from .. import backends, kernels
 
 __all__ = ["san_aggregation", "san_subtraction", "san_subtraction2", "san_neighbours",
            "PADDING_MODES"]
@@ -242,12 +243,12 @@ def aggregation_export(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> 
 
 
 # --------------------------------------------------------------------------------------------
-# backends: torch reference, natten (none), cuda (slot)
+# backends: torch reference, natten (none), cuda (attnzoo.kernels.san)
 # --------------------------------------------------------------------------------------------
 
 class SANCall(NamedTuple):
     """What backend selection needs to know about a SAN op call (hashable, cached)."""
-    device: str
+    device: str  # the torch device with its index ("cuda:1", "cpu"): support is per device
     dtype: torch.dtype
     kernel_size: Tuple[int, int]
     dilation: Tuple[int, int]
@@ -263,17 +264,31 @@ def _natten_support(op: str):
     return support
 
 
-def _cuda_support(op: str):
-    def support(call: SANCall) -> Optional[str]:
-        # A named slot: the fused Triton kernels land in a later release.
-        return f"attnzoo's Triton kernels for {op} are not implemented yet"
-    return support
-
-
 def _unreachable(op: str, backend: str):
     def impl(*args):  # pragma: no cover - the support checks refuse every call
         raise backends.BackendUnsupportedError(f"backend {backend!r} cannot run {op}")
     return impl
+
+
+def _cuda_support(call: SANCall) -> Optional[str]:
+    reason = kernels.triton_missing()
+    if reason is not None:
+        return reason
+    from ..kernels import san as kernel
+    return kernel.support(call.device, call.dtype)
+
+
+def _cuda(op: str):
+    def impl(*args):
+        from ..kernels import san as kernel
+        return getattr(kernel, f"{op}_fused")(*args)
+    return impl
+
+
+def _kernels_trusted(call: SANCall) -> Optional[str]:
+    """``auto`` runs the SAN kernels only on GPU architectures where they passed their
+    validation (:data:`attnzoo.kernels.VERIFIED`); ``backend="cuda"`` always runs them."""
+    return kernels.unverified("san", call.device, "the cuda SAN kernels")
 
 
 def _subtraction_macs(x: torch.Tensor, fp: Footprint) -> int:
@@ -369,7 +384,7 @@ for _name, _impl, _macs in (("san_aggregation", aggregation_reference, _aggregat
         export=aggregation_export if _name == "san_aggregation" else None,
         backends={"torch": backends.Backend(_impl),
                   "natten": backends.Backend(_unreachable(_name, "natten"), _natten_support(_name)),
-                  "cuda": backends.Backend(_unreachable(_name, "cuda"), _cuda_support(_name))})
+                  "cuda": backends.Backend(_cuda(_name), _cuda_support, _kernels_trusted)})
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,7 +393,7 @@ for _name, _impl, _macs in (("san_aggregation", aggregation_reference, _aggregat
 
 def _call(x: torch.Tensor, fp: Footprint, *tensors: torch.Tensor) -> SANCall:
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x,) + tensors)
-    return SANCall(x.device.type, x.dtype, fp.kernel_size, fp.dilation, fp.stride,
+    return SANCall(str(x.device), x.dtype, fp.kernel_size, fp.dilation, fp.stride,
                    fp.padding_mode, grad)
 
 

@@ -1,0 +1,360 @@
+"""SAN's footprint ops (:mod:`attnzoo.ops.san`) fused in Triton: the ``cuda`` backend of
+``san_subtraction``, ``san_subtraction2`` and ``san_aggregation``.
+
+Semantics and layouts are those of the torch reference (module docstring of
+:mod:`attnzoo.ops.san`): output ``(h, w)`` reads tap ``(i, j)`` at ``(h*s - p + i*d, w*s - p +
+j*d)``, reflected (``nn.ReflectionPad2d``) or zero outside the map. Every kernel reads its taps
+from the input directly, computing each tap's reflected index in registers: no padded copy, no
+unfold, one launch per op and direction whatever the footprint (the reference aggregates tap by
+tap, ``kh * kw`` launches).
+
+A program owns a ``TH x TW`` tile of one ``(n, c)`` plane (:func:`~.tiling.program_tile`,
+:func:`~.tiling.tile_positions`, tiles innermost so that neighbouring programs share their halos
+in L2), and loops over the footprint's taps; products accumulate in fp32.
+
+* forward: a tile of outputs, each tap gathered from the input;
+* ``weight`` gradient of the aggregation: a tile of outputs of weight channel ``cw``, per tap
+  the sum over the channels ``cw, cw + Cw, ...`` that share it (the interleaved sharing);
+* input gradients: a tile of *input* pixels gathers, from every output whose footprint reads
+  it, the gradient that output sends there (the transpose of the forward's gather; no atomics,
+  so the result is deterministic). A pixel is read through its own position and, with
+  reflection, through its mirror images across each border (``-r`` and ``2(H-1) - r`` per
+  axis, where they fall inside the padding): up to 3 x 3 images, each tested per tile and
+  skipped when no pixel of the tile has it (interior tiles visit one).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import KernelLimits, launch_on_device
+from .tiling import program_tile, tile_positions
+
+__all__ = ["SANSubtraction", "SANAggregation", "support", "not_supported_reasons", "LIMITS",
+           "san_subtraction_fused", "san_subtraction2_fused", "san_aggregation_fused"]
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LIMITS = KernelLimits("attnzoo's Triton SAN kernels", DTYPES, max_head_dim=0)
+TILE = (8, 32)     # outputs or input pixels per program: a row of 32 reads 128 B of fp32
+NUM_WARPS = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# index arithmetic
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _plane_tile(rows, cols, TH: tl.constexpr, TW: tl.constexpr):
+    """Program -> its plane (int64) and its tile's positions (y, x) on a ``rows x cols`` map
+    with their mask."""
+    tiles_x = tl.cdiv(cols, TW)
+    plane, _, _, ty, tx = program_tile(tl.program_id(0), tl.cdiv(rows, TH), tiles_x, 1, 1)
+    y, x = tile_positions(ty, tx, TH, TW)
+    return plane.to(tl.int64), y, x, (y < rows) & (x < cols)
+
+
+@triton.jit
+def _tap_source(o, i, STRIDE: tl.constexpr, DIL: tl.constexpr, PAD: tl.constexpr, L,
+                REFLECT: tl.constexpr):
+    """Input position (along one axis) that tap ``i`` of output ``o`` reads, and whether it
+    reads the map (always with reflection; zero padding reads 0 outside)."""
+    u = o * STRIDE - PAD + i * DIL
+    if REFLECT:
+        u = tl.where(u < 0, -u, u)
+        u = tl.where(u > L - 1, 2 * (L - 1) - u, u)
+        return u, u == u
+    return u, (u >= 0) & (u < L)
+
+
+@triton.jit
+def _mirror(r, a: tl.constexpr, L, PAD: tl.constexpr):
+    """Image ``a`` of input position ``r`` in the padded axis: 0 itself, 1 across the start
+    (``-r``, inside the padding if ``1 <= r <= PAD``), 2 across the end (``2(L-1) - r``)."""
+    if a == 0:
+        return r, r == r
+    elif a == 1:
+        return -r, (r >= 1) & (r <= PAD)
+    else:
+        return 2 * (L - 1) - r, (r <= L - 2) & (r >= L - 1 - PAD)
+
+
+@triton.jit
+def _output_of(u, i, STRIDE: tl.constexpr, DIL: tl.constexpr, PAD: tl.constexpr, Lo):
+    """The output (along one axis) whose tap ``i`` reads padded position ``u``, and whether
+    there is one (``o * STRIDE = u + PAD - i * DIL``, in range)."""
+    n = u + PAD - i * DIL
+    o = tl.where(n >= 0, n, 0) // STRIDE
+    return o, (n >= 0) & (n % STRIDE == 0) & (o < Lo)
+
+
+@triton.jit
+def _gather_back(A, sat, sal, B, sby, sbx, y, x, mask, H, W, Ho, Wo,
+                 KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                 SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                 REFLECT: tl.constexpr, WEIGHTED: tl.constexpr, TH: tl.constexpr,
+                 TW: tl.constexpr):
+    """For input pixels (y, x): the sum over every (tap t, output l) whose footprint reads the
+    pixel of ``A[t * sat + l * sal]`` (times ``B`` at output l's (ho, wo) when ``WEIGHTED``),
+    in fp32."""
+    acc = tl.zeros([TH * TW], tl.float32)
+    for a in tl.static_range(3 if REFLECT else 1):
+        uy, vy = _mirror(y, a, H, PH)
+        for b in tl.static_range(3 if REFLECT else 1):
+            ux, vx = _mirror(x, b, W, PW)
+            image = mask & vy & vx
+            if tl.max(image.to(tl.int32), 0) > 0:  # most tiles have no pixel near a border
+                for i in range(KH):
+                    oy, ok_y = _output_of(uy, i, SH, DH, PH, Ho)
+                    for j in range(KW):
+                        ox, ok_x = _output_of(ux, j, SW, DW, PW, Wo)
+                        ok = image & ok_y & ok_x
+                        term = tl.load(A + (i * KW + j) * sat + (oy * Wo + ox) * sal, mask=ok,
+                                       other=0.).to(tl.float32)
+                        if WEIGHTED:
+                            term *= tl.load(B + oy * sby + ox * sbx, mask=ok,
+                                            other=0.).to(tl.float32)
+                        acc += term
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _subtraction_fwd_kernel(
+        X1, X2, OUT, sxn, sxc, sxy, sxx, C, H, W, Ho, Wo,
+        KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+        SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+        REFLECT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """``OUT[n, c, t, l] = X1[n, c, centre(l)] - X2[n, c, tap_t(l)]``; OUT contiguous."""
+    plane, oy, ox, valid = _plane_tile(Ho, Wo, TH, TW)
+    x_base = (plane // C) * sxn + (plane % C) * sxc
+    centre = tl.load(X1 + x_base + (oy * SH) * sxy + (ox * SW) * sxx, mask=valid,
+                     other=0.).to(tl.float32)
+    out = OUT + plane * (KH * KW) * Ho * Wo + oy * Wo + ox
+    for i in range(KH):
+        iy, in_y = _tap_source(oy, i, SH, DH, PH, H, REFLECT)
+        for j in range(KW):
+            ix, in_x = _tap_source(ox, j, SW, DW, PW, W, REFLECT)
+            tap = tl.load(X2 + x_base + iy * sxy + ix * sxx, mask=valid & in_y & in_x,
+                          other=0.).to(tl.float32)
+            tl.store(out + (i * KW + j) * Ho * Wo, (centre - tap).to(OUT.dtype.element_ty),
+                     mask=valid)
+
+
+@triton.jit
+def _subtraction_bwd_kernel(
+        G, DX1, DX2, sgn, sgc, sgt, sgl, C, H, W, Ho, Wo,
+        KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+        SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+        REFLECT: tl.constexpr, SAME: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """Per input pixel: ``DX1`` = the sum of G over the taps of the output centred there (if
+    any), ``DX2`` = minus the sum of G over every (tap, output) reading it; ``SAME`` (one input,
+    ``san_subtraction``): their sum, into DX1. DX1 and DX2 contiguous ``[N, C, H, W]``."""
+    plane, y, x, valid = _plane_tile(H, W, TH, TW)
+    g = G + (plane // C) * sgn + (plane % C) * sgc
+    dx2 = -_gather_back(g, sgt, sgl, g, 0, 0, y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH, SW,
+                        PH, PW, REFLECT, False, TH, TW)
+    oy = y // SH
+    ox = x // SW
+    centred = valid & (y % SH == 0) & (x % SW == 0)
+    dx1 = tl.zeros([TH * TW], tl.float32)
+    for t in range(KH * KW):
+        dx1 += tl.load(g + t * sgt + (oy * Wo + ox) * sgl, mask=centred, other=0.).to(tl.float32)
+    pixel = plane * H * W + y * W + x
+    if SAME:
+        tl.store(DX1 + pixel, (dx1 + dx2).to(DX1.dtype.element_ty), mask=valid)
+    else:
+        tl.store(DX1 + pixel, dx1.to(DX1.dtype.element_ty), mask=valid)
+        tl.store(DX2 + pixel, dx2.to(DX2.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _aggregation_fwd_kernel(
+        X, WGT, OUT, sxn, sxc, sxy, sxx, swn, swc, swt, swl, C, Cw, H, W, Ho, Wo,
+        KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+        SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+        REFLECT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """``OUT[n, c, ho, wo] = sum_t WGT[n, c % Cw, t, l] * X[n, c, tap_t(l)]``; OUT contiguous."""
+    plane, oy, ox, valid = _plane_tile(Ho, Wo, TH, TW)
+    n = plane // C
+    c = plane % C
+    x = X + n * sxn + c * sxc
+    w = WGT + n * swn + (c % Cw) * swc + (oy * Wo + ox) * swl
+    acc = tl.zeros([TH * TW], tl.float32)
+    for i in range(KH):
+        iy, in_y = _tap_source(oy, i, SH, DH, PH, H, REFLECT)
+        for j in range(KW):
+            ix, in_x = _tap_source(ox, j, SW, DW, PW, W, REFLECT)
+            tap = tl.load(x + iy * sxy + ix * sxx, mask=valid & in_y & in_x, other=0.)
+            acc += tl.load(w + (i * KW + j) * swt, mask=valid, other=0.).to(tl.float32) * \
+                tap.to(tl.float32)
+    tl.store(OUT + plane * Ho * Wo + oy * Wo + ox, acc.to(OUT.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _aggregation_bwd_weight_kernel(
+        X, GO, DWGT, sxn, sxc, sxy, sxx, sgn, sgc, sgy, sgx, C, Cw, H, W, Ho, Wo,
+        KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+        SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+        REFLECT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """``DWGT[n, cw, t, l] = sum_{c = cw mod Cw} GO[n, c, l] * X[n, c, tap_t(l)]``: a tile of
+    outputs of weight plane (n, cw); DWGT contiguous."""
+    plane, oy, ox, valid = _plane_tile(Ho, Wo, TH, TW)
+    n = plane // Cw
+    cw = plane % Cw
+    out = DWGT + plane * (KH * KW) * Ho * Wo + oy * Wo + ox
+    for i in range(KH):
+        iy, in_y = _tap_source(oy, i, SH, DH, PH, H, REFLECT)
+        for j in range(KW):
+            ix, in_x = _tap_source(ox, j, SW, DW, PW, W, REFLECT)
+            acc = tl.zeros([TH * TW], tl.float32)
+            for c in range(cw, C, Cw):
+                go = tl.load(GO + n * sgn + c * sgc + oy * sgy + ox * sgx, mask=valid, other=0.)
+                tap = tl.load(X + n * sxn + c * sxc + iy * sxy + ix * sxx,
+                              mask=valid & in_y & in_x, other=0.)
+                acc += go.to(tl.float32) * tap.to(tl.float32)
+            tl.store(out + (i * KW + j) * Ho * Wo, acc.to(DWGT.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _aggregation_bwd_input_kernel(
+        WGT, GO, DX, swn, swc, swt, swl, sgn, sgc, sgy, sgx, C, Cw, H, W, Ho, Wo,
+        KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+        SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+        REFLECT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """``DX[n, c, p] = sum over (t, l) reading p of WGT[n, c % Cw, t, l] * GO[n, c, l]``; DX
+    contiguous."""
+    plane, y, x, valid = _plane_tile(H, W, TH, TW)
+    n = plane // C
+    c = plane % C
+    dx = _gather_back(WGT + n * swn + (c % Cw) * swc, swt, swl, GO + n * sgn + c * sgc, sgy, sgx,
+                      y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH, SW, PH, PW, REFLECT, True,
+                      TH, TW)
+    tl.store(DX + plane * H * W + y * W + x, dx.to(DX.dtype.element_ty), mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+
+def not_supported_reasons(device: str, dtype: torch.dtype) -> List[str]:
+    """Every reason these kernels cannot run a call on ``device`` ("cuda:1", "cpu") in
+    ``dtype``, empty if none. Any footprint, dilation, stride and padding mode the ops accept
+    is supported, and they hold nothing in shared memory."""
+    return LIMITS.reasons(device, dtype, ())
+
+
+def support(device: str, dtype: torch.dtype) -> Optional[str]:
+    """``None`` if these kernels can run such a call, else every reason why not."""
+    return "; ".join(not_supported_reasons(device, dtype)) or None
+
+
+def _geometry(fp) -> dict:
+    """The footprint's constexprs (``fp``: :class:`attnzoo.ops.san.Footprint`)."""
+    (KH, KW), (DH, DW), (SH, SW), (PH, PW) = fp.kernel_size, fp.dilation, fp.stride, fp.padding
+    return dict(KH=KH, KW=KW, DH=DH, DW=DW, SH=SH, SW=SW, PH=PH, PW=PW,
+                REFLECT=fp.padding_mode == "reflect", TH=TILE[0], TW=TILE[1],
+                num_warps=NUM_WARPS)
+
+
+def _grid(planes: int, rows: int, cols: int) -> tuple:
+    return (planes * -(-rows // TILE[0]) * -(-cols // TILE[1]),)
+
+
+def _out_size(fp, H: int, W: int):
+    return (H - 1) // fp.stride[0] + 1, (W - 1) // fp.stride[1] + 1
+
+
+def _subtraction_forward(x1, x2, fp):
+    N, C, H, W = x1.shape
+    Ho, Wo = _out_size(fp, H, W)
+    out = x1.new_empty(N, C, fp.taps, Ho * Wo)
+    if x1.stride() != x2.stride():  # the kernel addresses both with one set of strides
+        x1, x2 = x1.contiguous(), x2.contiguous()
+    launch_on_device(_subtraction_fwd_kernel, _grid(N * C, Ho, Wo), x1, x2, out, *x1.stride(),
+                     C, H, W, Ho, Wo, **_geometry(fp))
+    return out
+
+
+def _subtraction_backward(g, shape, fp, same: bool):
+    N, C, H, W = shape
+    Ho, Wo = _out_size(fp, H, W)
+    dx1 = g.new_empty(shape)
+    dx2 = dx1 if same else g.new_empty(shape)
+    launch_on_device(_subtraction_bwd_kernel, _grid(N * C, H, W), g, dx1, dx2, *g.stride(), C, H,
+                     W, Ho, Wo, SAME=same, **_geometry(fp))
+    return dx1, dx2
+
+
+class SANSubtraction(torch.autograd.Function):
+    """``apply(x1, x2, fp)``: ``x1(centre) - x2(tap)``; ``x2=None`` for ``san_subtraction``
+    (``x1`` both times: one gradient, summed in the kernel)."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, fp):
+        ctx.fp, ctx.shape, ctx.same = fp, x1.shape, x2 is None
+        return _subtraction_forward(x1, x1 if x2 is None else x2, fp)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        dx1, dx2 = _subtraction_backward(g, ctx.shape, ctx.fp, ctx.same)
+        if ctx.same:
+            return dx1, None, None
+        return dx1, dx2, None
+
+
+class SANAggregation(torch.autograd.Function):
+    """``apply(x, weight, fp)``: ``y_c(i) = sum_j weight_{c mod Cw}(i, j) x_c(j)``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fp):
+        N, C, H, W = x.shape
+        Ho, Wo = _out_size(fp, H, W)
+        out = x.new_empty(N, C, Ho, Wo)
+        launch_on_device(_aggregation_fwd_kernel, _grid(N * C, Ho, Wo), x, weight, out,
+                         *x.stride(), *weight.stride(), C, weight.shape[1], H, W, Ho, Wo,
+                         **_geometry(fp))
+        ctx.save_for_backward(x, weight)
+        ctx.fp = fp
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, go):
+        x, weight = ctx.saved_tensors
+        fp = ctx.fp
+        N, C, H, W = x.shape
+        Cw = weight.shape[1]
+        Ho, Wo = _out_size(fp, H, W)
+        dx = dw = None
+        if ctx.needs_input_grad[1]:
+            dw = weight.new_empty(N, Cw, fp.taps, Ho * Wo)
+            launch_on_device(_aggregation_bwd_weight_kernel, _grid(N * Cw, Ho, Wo), x, go, dw,
+                             *x.stride(), *go.stride(), C, Cw, H, W, Ho, Wo, **_geometry(fp))
+        if ctx.needs_input_grad[0]:
+            dx = x.new_empty(x.shape)
+            launch_on_device(_aggregation_bwd_input_kernel, _grid(N * C, H, W), weight, go, dx,
+                             *weight.stride(), *go.stride(), C, Cw, H, W, Ho, Wo,
+                             **_geometry(fp))
+        return dx, dw, None
+
+
+def san_subtraction_fused(x, fp):
+    """The ``cuda`` backend of ``san_subtraction`` (arguments validated by the op)."""
+    return SANSubtraction.apply(x, None, fp)
+
+
+def san_subtraction2_fused(x1, x2, fp):
+    """The ``cuda`` backend of ``san_subtraction2``."""
+    return SANSubtraction.apply(x1, x2, fp)
+
+
+def san_aggregation_fused(x, weight, fp):
+    """The ``cuda`` backend of ``san_aggregation``."""
+    return SANAggregation.apply(x, weight, fp)
