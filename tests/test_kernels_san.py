@@ -9,9 +9,10 @@ itself is checked against a brute force in tests/test_ops_san.py, and every case
 the SAN ops runs on this backend in tests/test_ops_registry.py.
 
 Shapes are small but reach what matters: reflected and zero-padded borders, interior tiles
-(maps of more than two 8 x 32 tiles per axis, where the input-gradient kernels skip the mirror
-images), stride and dilation per axis, non-square footprints, the interleaved weight sharing,
-non-contiguous inputs, and a SAN of both self-attention types run end to end.
+(maps of more than two 4 x 32 tiles per axis, where the input-gradient kernels skip the mirror
+images), full and partial channel blocks (of ``kernels.san.MAX_BC``), stride and dilation per
+axis, non-square footprints, the interleaved weight sharing, non-contiguous inputs, and a SAN of
+both self-attention types run end to end.
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ CASES = [
                  id="k7-zeros-larger-than-map"),
     pytest.param((1, 2, 2, 18, 67), dict(kernel_size=5, dilation=2, stride=2,
                                           padding_mode="zeros"), id="k5-d2-s2-zeros-interior"),
+    pytest.param((1, 20, 10, 4, 5), dict(kernel_size=3), id="k3-partial-channel-blocks"),
 ]
 
 

@@ -8,9 +8,11 @@ from the input directly, computing each tap's reflected index in registers: no p
 unfold, one launch per op and direction whatever the footprint (the reference aggregates tap by
 tap, ``kh * kw`` launches).
 
-A program owns a ``TH x TW`` tile of one ``(n, c)`` plane (:func:`~.tiling.program_tile`,
-:func:`~.tiling.tile_positions`, tiles innermost so that neighbouring programs share their halos
-in L2), and loops over the footprint's taps; products accumulate in fp32.
+A program owns a ``TH x TW`` tile of a block of up to ``MAX_BC`` channels of one sample
+(:func:`~.tiling.program_tile`, :func:`~.tiling.tile_positions`, tiles innermost so that
+neighbouring programs share their halos in L2): the channels share the tile's index arithmetic
+(reflection, strides, which output reads which pixel). It loops over the footprint's taps;
+products accumulate in fp32.
 
 * forward: a tile of outputs, each tap gathered from the input;
 * ``weight`` gradient of the aggregation: a tile of outputs of weight channel ``cw``, per tap
@@ -31,14 +33,15 @@ import triton
 import triton.language as tl
 
 from . import KernelLimits, launch_on_device
-from .tiling import program_tile, tile_positions
+from .tiling import pow2, program_tile, tile_positions
 
 __all__ = ["SANSubtraction", "SANAggregation", "support", "not_supported_reasons", "LIMITS",
            "san_subtraction_fused", "san_subtraction2_fused", "san_aggregation_fused"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LIMITS = KernelLimits("attnzoo's Triton SAN kernels", DTYPES, max_head_dim=0)
-TILE = (8, 32)     # outputs or input pixels per program: a row of 32 reads 128 B of fp32
+TILE = (4, 32)     # outputs or input pixels per program: a row of 32 reads 128 B of fp32
+MAX_BC = 8         # channels per program: they share the tile's index arithmetic
 NUM_WARPS = 4
 
 
@@ -47,13 +50,17 @@ NUM_WARPS = 4
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _plane_tile(rows, cols, TH: tl.constexpr, TW: tl.constexpr):
-    """Program -> its plane (int64) and its tile's positions (y, x) on a ``rows x cols`` map
-    with their mask."""
-    tiles_x = tl.cdiv(cols, TW)
-    plane, _, _, ty, tx = program_tile(tl.program_id(0), tl.cdiv(rows, TH), tiles_x, 1, 1)
+def _block_tile(channels, rows, cols, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """Program -> its sample n (int64), its block of ``BC`` channels ``c`` (int64, ``[BC, 1]``)
+    with their mask, and its tile's positions (y, x) (``[1, TH * TW]``) on a ``rows x cols``
+    map with their mask."""
+    plane, _, _, ty, tx = program_tile(tl.program_id(0), tl.cdiv(rows, TH), tl.cdiv(cols, TW),
+                                       1, 1)
+    blocks = tl.cdiv(channels, BC)
+    c = (plane % blocks).to(tl.int64) * BC + tl.arange(0, BC)[:, None]
     y, x = tile_positions(ty, tx, TH, TW)
-    return plane.to(tl.int64), y, x, (y < rows) & (x < cols)
+    return ((plane // blocks).to(tl.int64), c, c < channels, y[None, :], x[None, :],
+            ((y < rows) & (x < cols))[None, :])
 
 
 @triton.jit
@@ -94,18 +101,18 @@ def _output_of(u, i, STRIDE: tl.constexpr, DIL: tl.constexpr, PAD: tl.constexpr,
 def _gather_back(A, sat, sal, B, sby, sbx, y, x, mask, H, W, Ho, Wo,
                  KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                  SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                 REFLECT: tl.constexpr, WEIGHTED: tl.constexpr, TH: tl.constexpr,
-                 TW: tl.constexpr):
-    """For input pixels (y, x): the sum over every (tap t, output l) whose footprint reads the
-    pixel of ``A[t * sat + l * sal]`` (times ``B`` at output l's (ho, wo) when ``WEIGHTED``),
-    in fp32."""
-    acc = tl.zeros([TH * TW], tl.float32)
+                 REFLECT: tl.constexpr, WEIGHTED: tl.constexpr):
+    """For input pixels (y, x) (``[1, P]``) of a block of channels (``A``, ``B``: their
+    ``[BC, 1]`` bases; ``mask``: ``[BC, P]``): the sum over every (tap t, output l) whose
+    footprint reads the pixel of ``A[t * sat + l * sal]`` (times ``B`` at output l's (ho, wo)
+    when ``WEIGHTED``), in fp32, ``[BC, P]``."""
+    acc = tl.zeros(mask.shape, tl.float32)
     for a in tl.static_range(3 if REFLECT else 1):
         uy, vy = _mirror(y, a, H, PH)
         for b in tl.static_range(3 if REFLECT else 1):
             ux, vx = _mirror(x, b, W, PW)
             image = mask & vy & vx
-            if tl.max(image.to(tl.int32), 0) > 0:  # most tiles have no pixel near a border
+            if tl.max(tl.max(image.to(tl.int32), 1), 0) > 0:  # most tiles have no border pixel
                 for i in range(KH):
                     oy, ok_y = _output_of(uy, i, SH, DH, PH, Ho)
                     for j in range(KW):
@@ -121,7 +128,7 @@ def _gather_back(A, sat, sal, B, sby, sbx, y, x, mask, H, W, Ho, Wo,
 
 
 # ---------------------------------------------------------------------------------------------
-# kernels
+# kernels (outputs and input gradients contiguous; inputs through their strides)
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -129,18 +136,19 @@ def _subtraction_fwd_kernel(
         X1, X2, OUT, sxn, sxc, sxy, sxx, C, H, W, Ho, Wo,
         KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-        REFLECT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
-    """``OUT[n, c, t, l] = X1[n, c, centre(l)] - X2[n, c, tap_t(l)]``; OUT contiguous."""
-    plane, oy, ox, valid = _plane_tile(Ho, Wo, TH, TW)
-    x_base = (plane // C) * sxn + (plane % C) * sxc
-    centre = tl.load(X1 + x_base + (oy * SH) * sxy + (ox * SW) * sxx, mask=valid,
+        REFLECT: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """``OUT[n, c, t, l] = X1[n, c, centre(l)] - X2[n, c, tap_t(l)]``."""
+    n, c, c_ok, oy, ox, inside = _block_tile(C, Ho, Wo, BC, TH, TW)
+    valid = c_ok & inside
+    base = n * sxn + c * sxc
+    centre = tl.load(X1 + base + (oy * SH) * sxy + (ox * SW) * sxx, mask=valid,
                      other=0.).to(tl.float32)
-    out = OUT + plane * (KH * KW) * Ho * Wo + oy * Wo + ox
+    out = OUT + (n * C + c) * (KH * KW) * Ho * Wo + oy * Wo + ox
     for i in range(KH):
         iy, in_y = _tap_source(oy, i, SH, DH, PH, H, REFLECT)
         for j in range(KW):
             ix, in_x = _tap_source(ox, j, SW, DW, PW, W, REFLECT)
-            tap = tl.load(X2 + x_base + iy * sxy + ix * sxx, mask=valid & in_y & in_x,
+            tap = tl.load(X2 + base + iy * sxy + ix * sxx, mask=valid & in_y & in_x,
                           other=0.).to(tl.float32)
             tl.store(out + (i * KW + j) * Ho * Wo, (centre - tap).to(OUT.dtype.element_ty),
                      mask=valid)
@@ -151,21 +159,22 @@ def _subtraction_bwd_kernel(
         G, DX1, DX2, sgn, sgc, sgt, sgl, C, H, W, Ho, Wo,
         KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-        REFLECT: tl.constexpr, SAME: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+        REFLECT: tl.constexpr, SAME: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr,
+        TW: tl.constexpr):
     """Per input pixel: ``DX1`` = the sum of G over the taps of the output centred there (if
     any), ``DX2`` = minus the sum of G over every (tap, output) reading it; ``SAME`` (one input,
-    ``san_subtraction``): their sum, into DX1. DX1 and DX2 contiguous ``[N, C, H, W]``."""
-    plane, y, x, valid = _plane_tile(H, W, TH, TW)
-    g = G + (plane // C) * sgn + (plane % C) * sgc
+    ``san_subtraction``): their sum, into DX1."""
+    n, c, c_ok, y, x, inside = _block_tile(C, H, W, BC, TH, TW)
+    valid = c_ok & inside
+    g = G + n * sgn + c * sgc
     dx2 = -_gather_back(g, sgt, sgl, g, 0, 0, y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH, SW,
-                        PH, PW, REFLECT, False, TH, TW)
-    oy = y // SH
-    ox = x // SW
+                        PH, PW, REFLECT, False)
     centred = valid & (y % SH == 0) & (x % SW == 0)
-    dx1 = tl.zeros([TH * TW], tl.float32)
+    l = (y // SH) * Wo + x // SW
+    dx1 = tl.zeros(valid.shape, tl.float32)
     for t in range(KH * KW):
-        dx1 += tl.load(g + t * sgt + (oy * Wo + ox) * sgl, mask=centred, other=0.).to(tl.float32)
-    pixel = plane * H * W + y * W + x
+        dx1 += tl.load(g + t * sgt + l * sgl, mask=centred, other=0.).to(tl.float32)
+    pixel = (n * C + c) * H * W + y * W + x
     if SAME:
         tl.store(DX1 + pixel, (dx1 + dx2).to(DX1.dtype.element_ty), mask=valid)
     else:
@@ -178,14 +187,13 @@ def _aggregation_fwd_kernel(
         X, WGT, OUT, sxn, sxc, sxy, sxx, swn, swc, swt, swl, C, Cw, H, W, Ho, Wo,
         KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-        REFLECT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
-    """``OUT[n, c, ho, wo] = sum_t WGT[n, c % Cw, t, l] * X[n, c, tap_t(l)]``; OUT contiguous."""
-    plane, oy, ox, valid = _plane_tile(Ho, Wo, TH, TW)
-    n = plane // C
-    c = plane % C
+        REFLECT: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """``OUT[n, c, ho, wo] = sum_t WGT[n, c % Cw, t, l] * X[n, c, tap_t(l)]``."""
+    n, c, c_ok, oy, ox, inside = _block_tile(C, Ho, Wo, BC, TH, TW)
+    valid = c_ok & inside
     x = X + n * sxn + c * sxc
     w = WGT + n * swn + (c % Cw) * swc + (oy * Wo + ox) * swl
-    acc = tl.zeros([TH * TW], tl.float32)
+    acc = tl.zeros(valid.shape, tl.float32)
     for i in range(KH):
         iy, in_y = _tap_source(oy, i, SH, DH, PH, H, REFLECT)
         for j in range(KW):
@@ -193,7 +201,8 @@ def _aggregation_fwd_kernel(
             tap = tl.load(x + iy * sxy + ix * sxx, mask=valid & in_y & in_x, other=0.)
             acc += tl.load(w + (i * KW + j) * swt, mask=valid, other=0.).to(tl.float32) * \
                 tap.to(tl.float32)
-    tl.store(OUT + plane * Ho * Wo + oy * Wo + ox, acc.to(OUT.dtype.element_ty), mask=valid)
+    tl.store(OUT + (n * C + c) * Ho * Wo + oy * Wo + ox, acc.to(OUT.dtype.element_ty),
+             mask=valid)
 
 
 @triton.jit
@@ -201,19 +210,19 @@ def _aggregation_bwd_weight_kernel(
         X, GO, DWGT, sxn, sxc, sxy, sxx, sgn, sgc, sgy, sgx, C, Cw, H, W, Ho, Wo,
         KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-        REFLECT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
-    """``DWGT[n, cw, t, l] = sum_{c = cw mod Cw} GO[n, c, l] * X[n, c, tap_t(l)]``: a tile of
-    outputs of weight plane (n, cw); DWGT contiguous."""
-    plane, oy, ox, valid = _plane_tile(Ho, Wo, TH, TW)
-    n = plane // Cw
-    cw = plane % Cw
-    out = DWGT + plane * (KH * KW) * Ho * Wo + oy * Wo + ox
+        REFLECT: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """``DWGT[n, cw, t, l] = sum_{c = cw mod Cw} GO[n, c, l] * X[n, c, tap_t(l)]``: a block of
+    weight channels cw."""
+    n, cw, c_ok, oy, ox, inside = _block_tile(Cw, Ho, Wo, BC, TH, TW)
+    valid = c_ok & inside
+    out = DWGT + (n * Cw + cw) * (KH * KW) * Ho * Wo + oy * Wo + ox
     for i in range(KH):
         iy, in_y = _tap_source(oy, i, SH, DH, PH, H, REFLECT)
         for j in range(KW):
             ix, in_x = _tap_source(ox, j, SW, DW, PW, W, REFLECT)
-            acc = tl.zeros([TH * TW], tl.float32)
-            for c in range(cw, C, Cw):
+            acc = tl.zeros(valid.shape, tl.float32)
+            for g in range(0, C // Cw):
+                c = g * Cw + cw
                 go = tl.load(GO + n * sgn + c * sgc + oy * sgy + ox * sgx, mask=valid, other=0.)
                 tap = tl.load(X + n * sxn + c * sxc + iy * sxy + ix * sxx,
                               mask=valid & in_y & in_x, other=0.)
@@ -226,16 +235,13 @@ def _aggregation_bwd_input_kernel(
         WGT, GO, DX, swn, swc, swt, swl, sgn, sgc, sgy, sgx, C, Cw, H, W, Ho, Wo,
         KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-        REFLECT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
-    """``DX[n, c, p] = sum over (t, l) reading p of WGT[n, c % Cw, t, l] * GO[n, c, l]``; DX
-    contiguous."""
-    plane, y, x, valid = _plane_tile(H, W, TH, TW)
-    n = plane // C
-    c = plane % C
+        REFLECT: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """``DX[n, c, p] = sum over (t, l) reading p of WGT[n, c % Cw, t, l] * GO[n, c, l]``."""
+    n, c, c_ok, y, x, inside = _block_tile(C, H, W, BC, TH, TW)
+    valid = c_ok & inside
     dx = _gather_back(WGT + n * swn + (c % Cw) * swc, swt, swl, GO + n * sgn + c * sgc, sgy, sgx,
-                      y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH, SW, PH, PW, REFLECT, True,
-                      TH, TW)
-    tl.store(DX + plane * H * W + y * W + x, dx.to(DX.dtype.element_ty), mask=valid)
+                      y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH, SW, PH, PW, REFLECT, True)
+    tl.store(DX + (n * C + c) * H * W + y * W + x, dx.to(DX.dtype.element_ty), mask=valid)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,16 +260,18 @@ def support(device: str, dtype: torch.dtype) -> Optional[str]:
     return "; ".join(not_supported_reasons(device, dtype)) or None
 
 
-def _geometry(fp) -> dict:
-    """The footprint's constexprs (``fp``: :class:`attnzoo.ops.san.Footprint`)."""
+def _geometry(fp, channels: int) -> dict:
+    """The launch's constexprs (``fp``: :class:`attnzoo.ops.san.Footprint`; ``channels``:
+    those the grid's channel blocks cover)."""
     (KH, KW), (DH, DW), (SH, SW), (PH, PW) = fp.kernel_size, fp.dilation, fp.stride, fp.padding
     return dict(KH=KH, KW=KW, DH=DH, DW=DW, SH=SH, SW=SW, PH=PH, PW=PW,
-                REFLECT=fp.padding_mode == "reflect", TH=TILE[0], TW=TILE[1],
-                num_warps=NUM_WARPS)
+                REFLECT=fp.padding_mode == "reflect", BC=min(MAX_BC, pow2(channels, 1)),
+                TH=TILE[0], TW=TILE[1], num_warps=NUM_WARPS)
 
 
-def _grid(planes: int, rows: int, cols: int) -> tuple:
-    return (planes * -(-rows // TILE[0]) * -(-cols // TILE[1]),)
+def _grid(N: int, channels: int, rows: int, cols: int) -> tuple:
+    blocks = -(-channels // min(MAX_BC, pow2(channels, 1)))
+    return (N * blocks * -(-rows // TILE[0]) * -(-cols // TILE[1]),)
 
 
 def _out_size(fp, H: int, W: int):
@@ -276,8 +284,8 @@ def _subtraction_forward(x1, x2, fp):
     out = x1.new_empty(N, C, fp.taps, Ho * Wo)
     if x1.stride() != x2.stride():  # the kernel addresses both with one set of strides
         x1, x2 = x1.contiguous(), x2.contiguous()
-    launch_on_device(_subtraction_fwd_kernel, _grid(N * C, Ho, Wo), x1, x2, out, *x1.stride(),
-                     C, H, W, Ho, Wo, **_geometry(fp))
+    launch_on_device(_subtraction_fwd_kernel, _grid(N, C, Ho, Wo), x1, x2, out, *x1.stride(),
+                     C, H, W, Ho, Wo, **_geometry(fp, C))
     return out
 
 
@@ -286,8 +294,8 @@ def _subtraction_backward(g, shape, fp, same: bool):
     Ho, Wo = _out_size(fp, H, W)
     dx1 = g.new_empty(shape)
     dx2 = dx1 if same else g.new_empty(shape)
-    launch_on_device(_subtraction_bwd_kernel, _grid(N * C, H, W), g, dx1, dx2, *g.stride(), C, H,
-                     W, Ho, Wo, SAME=same, **_geometry(fp))
+    launch_on_device(_subtraction_bwd_kernel, _grid(N, C, H, W), g, dx1, dx2, *g.stride(), C, H,
+                     W, Ho, Wo, SAME=same, **_geometry(fp, C))
     return dx1, dx2
 
 
@@ -317,9 +325,9 @@ class SANAggregation(torch.autograd.Function):
         N, C, H, W = x.shape
         Ho, Wo = _out_size(fp, H, W)
         out = x.new_empty(N, C, Ho, Wo)
-        launch_on_device(_aggregation_fwd_kernel, _grid(N * C, Ho, Wo), x, weight, out,
+        launch_on_device(_aggregation_fwd_kernel, _grid(N, C, Ho, Wo), x, weight, out,
                          *x.stride(), *weight.stride(), C, weight.shape[1], H, W, Ho, Wo,
-                         **_geometry(fp))
+                         **_geometry(fp, C))
         ctx.save_for_backward(x, weight)
         ctx.fp = fp
         return out
@@ -335,13 +343,14 @@ class SANAggregation(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[1]:
             dw = weight.new_empty(N, Cw, fp.taps, Ho * Wo)
-            launch_on_device(_aggregation_bwd_weight_kernel, _grid(N * Cw, Ho, Wo), x, go, dw,
-                             *x.stride(), *go.stride(), C, Cw, H, W, Ho, Wo, **_geometry(fp))
+            launch_on_device(_aggregation_bwd_weight_kernel, _grid(N, Cw, Ho, Wo), x, go, dw,
+                             *x.stride(), *go.stride(), C, Cw, H, W, Ho, Wo,
+                             **_geometry(fp, Cw))
         if ctx.needs_input_grad[0]:
             dx = x.new_empty(x.shape)
-            launch_on_device(_aggregation_bwd_input_kernel, _grid(N * C, H, W), weight, go, dx,
+            launch_on_device(_aggregation_bwd_input_kernel, _grid(N, C, H, W), weight, go, dx,
                              *weight.stride(), *go.stride(), C, Cw, H, W, Ho, Wo,
-                             **_geometry(fp))
+                             **_geometry(fp, C))
         return dx, dw, None
 
 
