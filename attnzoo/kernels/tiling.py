@@ -1,5 +1,5 @@
-"""Tiling shared by attnzoo's windowed-attention kernels (NA now; QnA's and SAN's windowed
-aggregations are meant to reuse it).
+"""Tiling shared by attnzoo's windowed-attention kernels: NA's (everything below), QnA's and
+SAN's (program tiles, tile positions, strided row loads and stores, block sizes).
 
 The scheme: a program owns a 2-D tile of ``TH x TW`` outputs (queries) of one *dilation group*
 (positions ``g + d * i`` along each axis; a dilated window is a plain window inside its group).
