@@ -63,8 +63,9 @@ ENV_VAR = "ATTNZOO_BACKEND"
 # auto's preference per device type of the call, fastest first; a backend that cannot run the
 # call (or that an op does not implement) is passed over, and the torch reference comes last.
 # On CUDA, attnzoo's fused kernels come first (they also take NAT's rpb, which NATTEN >= 0.20 does
-# not) where their backend trusts them (``Backend.trusted``: verified on the GPU's architecture). On CPU (and any device not listed) only the reference: NA's tiled reference is 10-40x
-# faster than NATTEN's unfused CPU path (scripts/bench_ops.py); the Triton interpreter is for tests.
+# not) where their backend trusts them (``Backend.trusted``: verified on the GPU's architecture).
+# On CPU (and any device not listed) only the reference: NA's tiled reference is 8-300x faster
+# than NATTEN's unfused CPU path (BENCHMARKS.md, CPU); the Triton interpreter is for tests.
 AUTO_ORDER: Dict[str, Tuple[str, ...]] = {"cuda": ("cuda", "natten", "torch"), "cpu": ("torch",)}
 
 

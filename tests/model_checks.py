@@ -1,4 +1,5 @@
 """Checks each staged family runs on a small model of its own: the assertions, written once."""
+import contextlib
 import copy
 
 import pytest
@@ -157,3 +158,49 @@ def check_forward_intermediates_and_prune(model: torch.nn.Module, x: torch.Tenso
             again = pruned.forward_intermediates(x, indices=take, intermediates_only=True)
             torch.testing.assert_close(again[0], inter[i], rtol=0, atol=0)
     return inter
+
+
+def check_backends_agree(model: torch.nn.Module, x: torch.Tensor, backends=("cuda", "torch"),
+                         atol: float = 1e-4, rtol: float = 1e-4, grad_rtol: float = None,
+                         grads_relative_to_largest: bool = True) -> None:
+    """``model`` gives the same logits and parameter gradients on each of ``backends``, and every
+    op it calls runs on the backend asked for (observed, not assumed). Logits within
+    ``atol``/``rtol``; gradients within ``atol``/``grad_rtol`` (default ``rtol``), divided first by
+    their largest reference entry when over 1 (``grads_relative_to_largest``: the rpb and weight
+    gradients are sums over every output). On a GPU, fp32 stays fp32 on both sides: TF32 is off
+    in cuDNN's convolutions and in matmuls while it runs."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    cudnn_tf32, precision = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for backend in backends:
+            results.append(_logits_and_grads(model, x, params, backend))
+    finally:
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        torch.set_float32_matmul_precision(precision)
+    (ref, ref_grads), others = results[-1], results[:-1]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for logits, grads in others:
+        torch.testing.assert_close(logits, ref, atol=atol, rtol=rtol)
+        for name, g, r in zip(names, grads, ref_grads):
+            norm = max(1.0, r.abs().max().item()) if grads_relative_to_largest else 1.0
+            torch.testing.assert_close(g / norm, r / norm, atol=atol,
+                                       rtol=rtol if grad_rtol is None else grad_rtol,
+                                       msg=lambda m: f"grad {name}: {m}")
+
+
+def _logits_and_grads(model, x, params, backend):
+    seen = set()
+
+    def observer(op, chosen, macs):
+        seen.add(chosen)
+        return contextlib.nullcontext()
+
+    with attnzoo.use_backend(backend), attnzoo.backends.observe_ops(observer):
+        logits = model(x)
+        grads = torch.autograd.grad(logits.square().sum(), params)
+    assert seen == {backend}, f"asked for {backend}, ops ran on {sorted(seen)}"
+    return logits.detach().cpu(), [g.cpu() for g in grads]
+

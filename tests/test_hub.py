@@ -8,7 +8,6 @@ upload runs the real huggingface_hub client, in subprocesses, against tests/hub_
 """
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys

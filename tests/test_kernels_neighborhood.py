@@ -17,7 +17,6 @@ gates ``auto`` and the autotuner are tested on CPU with the device query simulat
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
@@ -42,6 +41,8 @@ from attnzoo.kernels import tiling  # noqa: E402
 from attnzoo.kernels.tiling import Tiling  # noqa: E402
 from attnzoo.ops import na1d, na2d  # noqa: E402
 from attnzoo.ops import neighborhood as nbh  # noqa: E402
+import model_checks  # noqa: E402
+from kernel_checks import assert_matches_reference, weighted_grads  # noqa: E402
 from tiny_models import NAT_MINI_CUT  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,14 +74,6 @@ def make_inputs(shape, kernel, use_rpb, v_dim=None, seed=0):
     return [q, k, v, rpb]
 
 
-def weighted_grads(out, inputs, dtype, seed=1):
-    """Gradients of a fixed random weighting of ``out``, the weights rounded to ``dtype`` (the
-    kernel's) whatever ``out``'s dtype, so kernel and reference see the same ones."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype).to(out)
-    return torch.autograd.grad((out * w).sum(), inputs)
-
-
 # forward atol=rtol, gradients atol=rtol (rpb gradients relative to their largest entry: they
 # are sums over every query)
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 1e-2), torch.bfloat16: (4e-2, 8e-2)}
@@ -110,12 +103,8 @@ def check_against_reference(shape, kernel, dilation, use_rpb=True, scale=None, v
     ref_grads = weighted_grads(ref, [t for t in ref_in if t is not None], dtype)
 
     fwd_tol, grad_tol = TOL[dtype]
-    torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=fwd_tol, rtol=fwd_tol)
-    for name, got, exp in zip("qkvr", grads, ref_grads):
-        assert got.dtype == dtype and got.shape == exp.shape
-        norm = max(1.0, exp.abs().max().item()) if name == "r" else 1.0
-        torch.testing.assert_close(got.double().cpu() / norm, exp / norm, atol=grad_tol,
-                                   rtol=grad_tol, msg=lambda m: f"grad {name}: {m}")
+    assert_matches_reference(out, grads, ref, ref_grads, dtype, fwd_tol, grad_tol,
+                             names="qkvr"[:len(grads)], relative="r")
 
 
 # (B, H, W, heads, D), kernel, dilation, rpb, scale, v_dim
@@ -295,33 +284,14 @@ def test_fp32_uses_tf32_only_where_torch_allows_it(setting, monkeypatch):
     ("nat_mini", {}),
     ("dinat_mini", dict(dilations=((1, 2), (2,), (1,), (1,)))),
 ])
-def test_model_cuda_backend_matches_torch(name, extra, monkeypatch):
-    if DEVICE == "cuda":  # fp32 on both sides: no TF32 in cuDNN's convolutions or in matmuls
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def test_model_cuda_backend_matches_torch(name, extra):
     torch.manual_seed(0)
     model = timm.create_model(name, **NAT_MINI_CUT, **extra).to(DEVICE)  # at 64 px
     assert model.stages[0].blocks[0].attn.rpb is not None
     model.train()
     x = torch.randn(1, 3, 64, 64, device=DEVICE)
-    params = [p for p in model.parameters()]
-    results = {}
-    for backend in ("torch", "cuda"):
-        seen = set()
-
-        def observer(op, chosen, macs, seen=seen):
-            seen.add(chosen)
-            return contextlib.nullcontext()
-
-        with attnzoo.use_backend(backend), backends.observe_ops(observer):
-            out = model(x)
-            grads = torch.autograd.grad(out.square().sum(), params)
-        assert seen == {backend}
-        results[backend] = (out, grads)
-    (out_t, grads_t), (out_c, grads_c) = results["torch"], results["cuda"]
-    torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
-    for (pname, _), g_c, g_t in zip(model.named_parameters(), grads_c, grads_t):
-        torch.testing.assert_close(g_c, g_t, atol=1e-5, rtol=1e-4, msg=lambda m: f"{pname}: {m}")
+    model_checks.check_backends_agree(model, x, ("cuda", "torch"), atol=1e-5, rtol=1e-5,
+                                      grad_rtol=1e-4, grads_relative_to_largest=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra
 from attnzoo.kernels import qna as kq  # noqa: E402
 from attnzoo.ops import qna as qna_module  # noqa: E402
 from attnzoo.ops import qna2d  # noqa: E402
+from kernel_checks import (  # noqa: E402
+    assert_matches_reference, check_auto_waits_for_a_verification, weighted_grads)
+import model_checks  # noqa: E402
 import tiny_models  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,18 +55,10 @@ def check_against_reference(shape, k, stride, sum_queries=True, dtype=torch.floa
         out = qna2d(ins[0], ins[1], kernel_size=k, stride=stride, rpb=ins[2] if bias else None,
                     window_weights=ins[3] if bias else None, sum_queries=sum_queries,
                     backend=backend)
-        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
-                             dtype=torch.float64).to(dtype)
-        results.append((out, torch.autograd.grad(out, ins, weight.to(out))))
+        results.append((out, weighted_grads(out, ins, dtype)))
     (out, grads), (ref, ref_grads) = results
-    tol = TOL[dtype]
-    assert out.dtype == dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=tol, rtol=tol)
-    for name, got, exp in zip(("logits", "v", "rpb", "window_weights"), grads, ref_grads):
-        assert got.dtype == dtype and got.shape == exp.shape
-        norm = max(1.0, exp.abs().max().item())
-        torch.testing.assert_close(got.double().cpu() / norm, exp / norm, atol=tol, rtol=tol,
-                                   msg=lambda m: f"grad {name}: {m}")
+    assert_matches_reference(out, grads, ref, ref_grads, dtype, TOL[dtype],
+                             names=("logits", "v", "rpb", "window_weights")[:len(grads)])
 
 
 # (B, H, W, L, heads, head_dim), k, stride, sum_queries
@@ -129,19 +124,8 @@ def test_every_reason_is_given_at_once():
 def test_auto_runs_the_kernels_only_on_verified_architectures(monkeypatch):
     """No record for QnA (never run on a GPU): auto leaves a CUDA call to the torch reference;
     a record for the GPU's architecture makes auto pick the kernels."""
-    assert kernels.VERIFIED["qna"] == ()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels, "device_info",
-                        lambda device: kernels.DeviceInfo("NVIDIA H100", (9, 0), 227 << 10))
-    backends._resolve.cache_clear()
-    assert "not been verified on sm_90" in qna_module._kernels_trusted(_call("cuda:0"))
-    assert backends.resolve("qna2d", _call("cuda:0")) == "torch"
-    record = kernels.Verification("sm_90", "NVIDIA H100", "2026-01-01",
-                                  "pytest tests/test_kernels_qna.py", "simulated")
-    monkeypatch.setitem(kernels.VERIFIED, "qna", (record,))
-    backends._resolve.cache_clear()
-    assert backends.resolve("qna2d", _call("cuda:0")) == "cuda"
-    backends._resolve.cache_clear()
+    check_auto_waits_for_a_verification(monkeypatch, "qna", "qna2d", _call("cuda:0"),
+                                        qna_module._kernels_trusted)
 
 
 def test_auto_never_picks_the_interpreter():
@@ -152,20 +136,6 @@ def test_auto_never_picks_the_interpreter():
 def test_qna_vit_on_cuda_equals_torch():
     """A whole QnA-ViT (the registered class, narrow: QnA blocks with k = 3 and 5, both
     downsampling kernels, LSA blocks) gives the torch backend's logits and parameter gradients."""
-    model = tiny_models.randomize(tiny_models.qna_vit())
+    model = tiny_models.randomize(tiny_models.qna_vit()).to(DEVICE)
     x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-    results = []
-    for backend in ("cuda", "torch"):
-        model.zero_grad()
-        with attnzoo.use_backend(backend):
-            logits = model.to(DEVICE)(x.to(DEVICE))
-            logits.square().sum().backward()
-        results.append((logits.detach().cpu(),
-                        {n: p.grad.cpu() for n, p in model.named_parameters()}))
-    (logits, grads), (ref, ref_grads) = results
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        norm = max(1.0, ref_grads[name].abs().max().item())
-        torch.testing.assert_close(grads[name] / norm, ref_grads[name] / norm, atol=1e-4,
-                                   rtol=1e-4, msg=lambda m: f"grad {name}: {m}")
+    model_checks.check_backends_agree(model, x.to(DEVICE))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import attnzoo
 from attnzoo import backends, kernels
 from attnzoo.backends import BackendUnsupportedError
 
@@ -29,6 +28,9 @@ if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra
 from attnzoo.kernels import san as ks  # noqa: E402
 from attnzoo.ops import san as san_module  # noqa: E402
 from attnzoo.ops import san_aggregation, san_subtraction, san_subtraction2  # noqa: E402
+from kernel_checks import (  # noqa: E402
+    assert_matches_reference, check_auto_waits_for_a_verification, weighted_grads)
+import model_checks  # noqa: E402
 import tiny_models  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,18 +69,9 @@ def check_against_reference(op, shape, dtype=torch.float32, seed=0, transform=No
         ins = [t.requires_grad_() for t in ins]
         args = transform(ins) if transform and backend == "cuda" else ins
         out = OPS[op](*args, backend=backend, **geometry)
-        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
-                             dtype=torch.float64).to(dtype)
-        results.append((out, torch.autograd.grad(out, ins, weight.to(out))))
+        results.append((out, weighted_grads(out, ins, dtype)))
     (out, grads), (ref, ref_grads) = results
-    tol = TOL[dtype]
-    assert out.dtype == dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=tol, rtol=tol)
-    for i, (got, exp) in enumerate(zip(grads, ref_grads)):
-        assert got.dtype == dtype and got.shape == exp.shape
-        norm = max(1.0, exp.abs().max().item())
-        torch.testing.assert_close(got.double().cpu() / norm, exp / norm, atol=tol, rtol=tol,
-                                   msg=lambda m: f"grad of input {i}: {m}")
+    assert_matches_reference(out, grads, ref, ref_grads, dtype, TOL[dtype])
 
 
 # (N, C, Cw, H, W), geometry
@@ -146,23 +139,9 @@ def test_san_model_on_cuda_equals_torch(sa_type, config, size):
     """A whole SAN (the registered SAN class, narrow: five stages of one block; SAN10's 3x3 then
     7x7 footprints with zero padding, or 3x3 with reflection, the smallest inputs each allows)
     gives the torch backend's logits and parameter gradients."""
-    model = tiny_models.randomize(tiny_models.san_small(sa_type, **config))
+    model = tiny_models.randomize(tiny_models.san_small(sa_type, **config)).to(DEVICE)
     x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0))
-    results = []
-    for backend in ("cuda", "torch"):
-        model.zero_grad()
-        with attnzoo.use_backend(backend):
-            logits = model.to(DEVICE)(x.to(DEVICE))
-            logits.square().sum().backward()
-        results.append((logits.detach().cpu(),
-                        {n: p.grad.cpu() for n, p in model.named_parameters()}))
-    (logits, grads), (ref, ref_grads) = results
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        norm = max(1.0, ref_grads[name].abs().max().item())
-        torch.testing.assert_close(grads[name] / norm, ref_grads[name] / norm, atol=1e-4,
-                                   rtol=1e-4, msg=lambda m: f"grad {name}: {m}")
+    model_checks.check_backends_agree(model, x.to(DEVICE))
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,19 +176,8 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 def test_auto_runs_the_kernels_only_on_verified_architectures(monkeypatch, op):
     """No record for SAN (never run on a GPU): auto leaves a CUDA call to the torch reference;
     a record for the GPU's architecture makes auto pick the kernels."""
-    assert kernels.VERIFIED["san"] == ()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels, "device_info",
-                        lambda device: kernels.DeviceInfo("NVIDIA H100", (9, 0), 227 << 10))
-    backends._resolve.cache_clear()
-    assert "not been verified on sm_90" in san_module._kernels_trusted(_call())
-    assert backends.resolve(op, _call()) == "torch"
-    record = kernels.Verification("sm_90", "NVIDIA H100", "2026-01-01",
-                                  "pytest tests/test_kernels_san.py", "simulated")
-    monkeypatch.setitem(kernels.VERIFIED, "san", (record,))
-    backends._resolve.cache_clear()
-    assert backends.resolve(op, _call()) == "cuda"
-    backends._resolve.cache_clear()
+    check_auto_waits_for_a_verification(monkeypatch, "san", op, _call(),
+                                        san_module._kernels_trusted)
 
 
 def test_auto_never_picks_the_interpreter():

@@ -17,7 +17,7 @@ import collections
 import os
 import random
 import re
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import pytest
 import torch

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import attnzoo
-from attnzoo import backends, kernels
+from attnzoo import backends
 from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import na1d, na2d
 from attnzoo.ops import neighborhood as nbh

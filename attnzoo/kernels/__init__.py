@@ -1,7 +1,7 @@
 """attnzoo's fused GPU kernels, written in Triton (the ``cuda`` backend of the ops).
 
-One module per op family (``neighborhood.py``, ``qna.py``, ``san.py``), each exposing a ``torch.autograd.Function``
-with forward and backward; ``tiling.py`` holds what the families' kernels share (window
+One module per op family (``neighborhood.py``, ``qna.py``, ``san.py``), each exposing a
+``torch.autograd.Function`` with forward and backward; ``tiling.py`` holds what the families' kernels share (window
 arithmetic, query tiles and the key regions they stream, strided loads, the online-softmax
 step, the precision rule, the work count). This module holds what their host code shares:
 
@@ -124,9 +124,10 @@ class KernelLimits(NamedTuple):
     def reasons(self, device: str, dtype: torch.dtype, head_dims: Sequence[int],
                 shared_memory: Optional[int] = None) -> List[str]:
         """Every reason these kernels cannot run a call on ``device`` (a torch device string
-        with its index) in ``dtype`` with these head dims (q's, v's; none for an op without heads); ``shared_memory``: bytes
-        per block the family's smallest configuration needs for the call, checked against a
-        CUDA device's limit (not under the interpreter, which has none). Empty if none."""
+        with its index) in ``dtype`` with these head dims (q's, v's; none for an op without
+        heads); ``shared_memory``: bytes per block the family's smallest configuration needs
+        for the call, checked against a CUDA device's limit (not under the interpreter, which
+        has none). Empty if none."""
         missing = triton_missing()
         if missing is not None:
             return [missing]

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import KernelLimits, launch_on_device
-from .tiling import LOG2E, load_rows, pow2, program_tile, store_rows, tile_positions
+from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions
 
 __all__ = ["QnAttention", "qna_fused", "support", "not_supported_reasons", "LIMITS"]
 

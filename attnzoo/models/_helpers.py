@@ -89,7 +89,8 @@ def _hub_problem(repo: str, filenames: Sequence[str]) -> Optional[str]:
         except EntryNotFoundError:
             continue
         except Exception as e:  # noqa: BLE001 - network errors differ per client version
-            return f"the Hub cannot be reached ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+            detail = ' '.join(str(e).split())[:200]
+            return f"the Hub cannot be reached ({type(e).__name__}: {detail})"
     return f"the repo has none of {', '.join(filenames)}"
 
 
