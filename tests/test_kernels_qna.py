@@ -69,6 +69,8 @@ CASES = [
     pytest.param((1, 6, 7, 2, 2, 3), 5, 2, False, id="k5-s2-unsummed"),
     pytest.param((1, 5, 6, 2, 2, 5), 7, 1, False, id="k7-larger-than-map-unsummed"),
     pytest.param((1, 8, 8, 3, 1, 2), 3, 2, True, id="k3-s2-even-L3"),
+    # head dim 200: programs of a row of 8 outputs (kq.tile), a partial channel block
+    pytest.param((1, 5, 11, 2, 1, 200), 3, 1, False, id="hd200-row-tiles-unsummed"),
 ]
 
 
@@ -83,8 +85,9 @@ def test_defaults_without_rpb_or_window_weights():
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_logits_spanning_more_than_the_exponent_range_are_exact(stride):
-    """Logits of scale 60 span ~500 within a map: the reference takes its per-window form, the
-    kernel's online softmax needs no fallback."""
+    """Logits of scale 60 span ~500 within a map, beyond float32's exponent range (where the
+    reference's convolution form needs its per-window fallback; the float64 reference here
+    does not): the kernel's online softmax is exact without any fallback."""
     check_against_reference((1, 7, 8, 2, 2, 3), 3, stride, scale=60.0, seed=3)
 
 

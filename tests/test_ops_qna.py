@@ -273,7 +273,8 @@ def test_macs_formula_counted_independently():
 
 def test_benchmark_examples_run():
     examples = dict(backends.op_examples('qna2d', torch.device('cpu'), torch.float32))
-    assert len(examples) == 8 and 'figure 3 1x256x256 h8 k7' in examples
+    assert len(examples) == 9 and 'figure 3 1x256x256 h8 k7' in examples
     with torch.no_grad():
+        assert examples['head dim 256 1x28x28 h2 k7']('torch').shape == (1, 28, 28, 2, 256)
         assert examples['qna_vit_tiny s2 8x14x14 h32 k3']('torch').shape == (8, 14, 14, 32, 8)
         assert examples['qna_vit_tiny down2 8x14x14 h64 k3 s2']('auto').shape == (8, 7, 7, 64, 8)

@@ -1,9 +1,10 @@
 """attnzoo's fused GPU kernels, written in Triton (the ``cuda`` backend of the ops).
 
 One module per op family (``neighborhood.py``, ``qna.py``, ``san.py``), each exposing a
-``torch.autograd.Function`` with forward and backward; ``tiling.py`` holds what the families' kernels share (window
-arithmetic, query tiles and the key regions they stream, strided loads, the online-softmax
-step, the precision rule, the work count). This module holds what their host code shares:
+``torch.autograd.Function`` with forward and backward; ``tiling.py`` holds what the families'
+kernels share (window arithmetic, query tiles and the key regions they stream, strided loads,
+the online-softmax step, the precision rule, the work count). This module holds what their host
+code shares:
 
 **Support.** A family declares what it supports as data, a :class:`KernelLimits` (dtypes,
 largest head dim, smallest compute capability), and answers "can you run this call?" with

@@ -38,7 +38,7 @@ from . import Autotuner, KernelLimits, can_tune, device_info, launch_on_device, 
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, store_rows, tile_positions,
-                     to_source)
+                     to_base2, to_source)
 
 __all__ = ["NeighborhoodAttention", "na_fused", "support", "not_supported_reasons", "configs",
            "shared_memory", "capture_launches", "Config", "LIMITS", "KERNELS", "INTERPRETED",
@@ -75,7 +75,7 @@ def _rpb_table(RPB, h, KH: tl.constexpr, KW: tl.constexpr, NREL: tl.constexpr,
         table = tl.load(RPB + h * n + r, mask=r < n, other=0.).to(tl.float32)
     else:
         table = tl.zeros([NREL], tl.float32)
-    return table * 1.4426950408889634
+    return to_base2(table)
 
 
 @triton.jit

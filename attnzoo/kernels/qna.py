@@ -3,12 +3,12 @@
 Semantics are those of :func:`attnzoo.ops.qna.qna2d_reference`. QnA's queries are shared by
 every window, so a key's score is one precomputed number per learned query (``logits``): there is
 no query-key product to tile with tl.dot, only each window's ``k x k`` taps to stream. A program
-owns a tile of ``TH x TW`` outputs of one (batch, head) (:func:`~.tiling.program_tile`), and
-for each learned query visits the window's taps once, with an online softmax in base 2 (the
-rpb added, out-of-map taps excluded, the window weights in the numerator only), accumulating in
-fp32. Each window's own running maximum stabilises it, so any logits are exact: no
-exponent-range fallback as the reference's convolution form needs. The forward saves each
-window's log-sum-exp per learned query.
+owns a tile of ``TH x TW`` outputs of one (batch, head) (:func:`~.tiling.program_tile`) and
+visits the window's taps once: each tap's values are read once for all ``L`` learned queries,
+each query with its own online softmax in base 2 (the rpb added, out-of-map taps excluded, the
+window weights in the numerator only), accumulating in fp32. Each window's own running maximum
+stabilises it, so any logits are exact: no exponent-range fallback as the reference's
+convolution form needs. The forward saves each window's log-sum-exp per learned query.
 
 Backward, recomputing the probabilities from the log-sum-exp
 (``dz = p * (w * <g_l, v> - D_l)``, ``D_l = <g_l, out_l>``):
@@ -16,7 +16,8 @@ Backward, recomputing the probabilities from the log-sum-exp
 * output-centric pass: ``D_l`` per output and learned query, summed over the window's taps
   (with ``sum_queries`` the per-query results ``out_l`` are never stored);
 * key-centric pass: a tile of keys visits, per tap, the one output (if any) whose window holds
-  it there (stride 2: a key is a tap of fewer windows), and accumulates the gradients of its
+  it there (stride 2: a key is a tap of fewer windows), reads that output's gradient once for
+  every query (with ``sum_queries`` they share it), and accumulates the gradients of its
   logits and value in registers: overlapping windows need no atomics. The rpb and window
   weight gradients, one number per (learned query, head, tap), are summed per program over the
   tile and written to a table per program, summed afterwards (deterministic).
@@ -30,14 +31,13 @@ import triton
 import triton.language as tl
 
 from . import KernelLimits, launch_on_device
-from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions
+from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions, to_base2
 
 __all__ = ["QnAttention", "qna_fused", "support", "not_supported_reasons", "LIMITS"]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LIMITS = KernelLimits("attnzoo's Triton QnA kernels", DTYPES, MAX_HEAD_DIM)
-TILE = (8, 8)      # outputs (forward, D) or keys (key-centric pass) per program
 NUM_WARPS = 4
 
 
@@ -57,6 +57,14 @@ def _program(heads, Hp, Wp, TH: tl.constexpr, TW: tl.constexpr):
 
 
 @triton.jit
+def _queries(L, heads, h, K: tl.constexpr, LP: tl.constexpr):
+    """The learned queries ``l`` (``[LP]``, padded to a power of two) with their mask, and where
+    each one's ``K x K`` table of rpb / window weights starts for head ``h``."""
+    q = tl.arange(0, LP)
+    return q, q < L, (q * heads + h) * K * K
+
+
+@triton.jit
 def _tap(oy, ox, t, H, W, STRIDE: tl.constexpr, K: tl.constexpr):
     """The key at tap ``t`` (row-major over the ``K x K`` window) of outputs (oy, ox), and
     whether it lies in the map."""
@@ -66,44 +74,76 @@ def _tap(oy, ox, t, H, W, STRIDE: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _per_query(base, q, sq, y, x, sy, sx):
+    """``[LP, len(y)]`` pointers to each query's number (a logit) at positions (y, x)."""
+    return base + q[:, None] * sq + (y * sy + x * sx)[None, :]
+
+
+@triton.jit
+def _query_rows(base, q, sq, y, x, sy, sx, sd, mask, D, BD: tl.constexpr):
+    """``[LP, len(y), BD]`` pointers to each query's row of ``D`` channels at (y, x), and their
+    mask (``mask``: ``[LP, len(y)]``)."""
+    d = tl.arange(0, BD)
+    ptr = (base + q[:, None, None] * sq + (y * sy + x * sx)[None, :, None]
+           + d[None, None, :] * sd)
+    return ptr, mask[:, :, None] & (d < D)[None, None, :]
+
+
+@triton.jit
 def _qna_fwd_kernel(
         LOGITS, V, RPB, WS, O, LSE,
         slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sob, soy, sox, sol, soh, sod,
         heads, H, W, Ho, Wo, L, D,
         K: tl.constexpr, STRIDE: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-        BD: tl.constexpr, SUM_QUERIES: tl.constexpr):
+        BD: tl.constexpr, LP: tl.constexpr, SUM_QUERIES: tl.constexpr):
     b, h, oy, ox, valid = _program(heads, Ho, Wo, TH, TW)
-    lse_row = (((b * Ho + oy) * Wo + ox) * L) * heads + h
-    total = tl.zeros([TH * TW, BD], tl.float32)
-    for l in range(0, L):
-        table = (l * heads + h) * K * K  # this (query, head)'s rpb / window weights
-        m_i = tl.full([TH * TW], -1e30, tl.float32)
-        l_i = tl.zeros([TH * TW], tl.float32)
-        acc = tl.zeros([TH * TW, BD], tl.float32)
-        for t in range(0, K * K):
-            ky, kx, inside = _tap(oy, ox, t, H, W, STRIDE, K)
-            inside = inside & valid
-            z = tl.load(LOGITS + b * slb + ky * sly + kx * slx + l * sll + h * slh, mask=inside,
-                        other=0.).to(tl.float32)
-            s = tl.where(inside, (z + tl.load(RPB + table + t)) * 1.4426950408889634,
-                         float("-inf"))
-            v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, inside, D,
-                          BD).to(tl.float32)
-            m_new = tl.maximum(m_i, s)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + (p * tl.load(WS + table + t))[:, None] * v
-            m_i = m_new
-        l_i = tl.where(l_i > 0, l_i, 1.)  # only padding positions of a partial tile have l = 0
-        tl.store(LSE + lse_row + l * heads, m_i + tl.log2(l_i), mask=valid)
-        if SUM_QUERIES:
-            total += acc / l_i[:, None]
-        else:
-            store_rows(O + b * sob + l * sol + h * soh, acc / l_i[:, None], oy, ox, soy, sox, sod,
-                       valid, D, BD)
+    q, q_ok, table = _queries(L, heads, h, K, LP)
+    m_i = tl.full([LP, TH * TW], -1e30, tl.float32)
+    l_i = tl.zeros([LP, TH * TW], tl.float32)
+    acc = tl.zeros([LP, TH * TW, BD], tl.float32)
+    for t in range(0, K * K):
+        ky, kx, inside = _tap(oy, ox, t, H, W, STRIDE, K)
+        inside = inside & valid
+        ok = q_ok[:, None] & inside[None, :]
+        z = tl.load(_per_query(LOGITS + b * slb + h * slh, q, sll, ky, kx, sly, slx), mask=ok,
+                    other=0.).to(tl.float32)
+        rpb = tl.load(RPB + table + t, mask=q_ok, other=0.)
+        s = tl.where(ok, to_base2(z + rpb[:, None]), float("-inf"))
+        # the tap's values, read once for every learned query
+        v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, inside, D,
+                      BD).to(tl.float32)
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        w = tl.load(WS + table + t, mask=q_ok, other=0.)
+        acc = acc * alpha[:, :, None] + (p * w[:, None])[:, :, None] * v[None, :, :]
+        m_i = m_new
+    l_i = tl.where(l_i > 0, l_i, 1.)  # padding queries and positions of a partial tile: l = 0
+    row_ok = q_ok[:, None] & valid[None, :]
+    lse_rows = ((b * Ho + oy) * Wo + ox) * L * heads + h
+    tl.store(LSE + q[:, None] * heads + lse_rows[None, :], m_i + tl.log2(l_i), mask=row_ok)
+    out = acc / l_i[:, :, None]
     if SUM_QUERIES:
-        store_rows(O + b * sob + h * soh, total, oy, ox, soy, sox, sod, valid, D, BD)
+        store_rows(O + b * sob + h * soh, tl.sum(out, 0), oy, ox, soy, sox, sod, valid, D, BD)
+    else:
+        ptr, mask = _query_rows(O + b * sob + h * soh, q, sol, oy, ox, soy, sox, sod, row_ok,
+                                D, BD)
+        tl.store(ptr, out.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gradient_rows(G, b, sgb, h, sgh, q, sgl, y, x, sgy, sgx, sgd, seen, q_ok, D,
+                   BD: tl.constexpr, SUM_QUERIES: tl.constexpr):
+    """The output gradient at outputs (y, x) in fp32: ``[1, len(y), BD]``, the one every query
+    got, with ``sum_queries``; else ``[LP, len(y), BD]``, each query's own."""
+    if SUM_QUERIES:
+        g = load_rows(G + b * sgb + h * sgh, y, x, sgy, sgx, sgd, seen, D, BD)[None, :, :]
+    else:
+        ptr, mask = _query_rows(G + b * sgb + h * sgh, q, sgl, y, x, sgy, sgx, sgd,
+                                q_ok[:, None] & seen[None, :], D, BD)
+        g = tl.load(ptr, mask=mask, other=0.)
+    return g.to(tl.float32)
 
 
 @triton.jit
@@ -112,27 +152,30 @@ def _qna_bwd_delta_kernel(
         slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sgb, sgy, sgx, sgl, sgh, sgd,
         heads, H, W, Ho, Wo, L, D,
         K: tl.constexpr, STRIDE: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-        BD: tl.constexpr):
-    """``D_l = <g_l, out_l> = sum_t p_l(t) w_l(t) <g_l, v(t)>`` per output and learned query
-    (``sgl = 0`` with sum_queries: every query's result got the same gradient)."""
+        BD: tl.constexpr, LP: tl.constexpr, SUM_QUERIES: tl.constexpr):
+    """``D_l = <g_l, out_l> = sum_t p_l(t) w_l(t) <g_l, v(t)>`` per output and learned query,
+    each tap's values read once for every query."""
     b, h, oy, ox, valid = _program(heads, Ho, Wo, TH, TW)
-    lse_row = (((b * Ho + oy) * Wo + ox) * L) * heads + h
-    for l in range(0, L):
-        table = (l * heads + h) * K * K
-        g = load_rows(G + b * sgb + l * sgl + h * sgh, oy, ox, sgy, sgx, sgd, valid, D,
+    q, q_ok, table = _queries(L, heads, h, K, LP)
+    row_ok = q_ok[:, None] & valid[None, :]
+    lse_rows = ((b * Ho + oy) * Wo + ox) * L * heads + h
+    g = _gradient_rows(G, b, sgb, h, sgh, q, sgl, oy, ox, sgy, sgx, sgd, valid, q_ok, D, BD,
+                       SUM_QUERIES)
+    lse = tl.load(LSE + q[:, None] * heads + lse_rows[None, :], mask=row_ok, other=0.)
+    delta = tl.zeros([LP, TH * TW], tl.float32)
+    for t in range(0, K * K):
+        ky, kx, inside = _tap(oy, ox, t, H, W, STRIDE, K)
+        inside = inside & valid
+        ok = q_ok[:, None] & inside[None, :]
+        z = tl.load(_per_query(LOGITS + b * slb + h * slh, q, sll, ky, kx, sly, slx), mask=ok,
+                    other=0.).to(tl.float32)
+        rpb = tl.load(RPB + table + t, mask=q_ok, other=0.)
+        p = tl.where(ok, tl.exp2(to_base2(z + rpb[:, None]) - lse), 0.)
+        v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, inside, D,
                       BD).to(tl.float32)
-        lse = tl.load(LSE + lse_row + l * heads, mask=valid, other=0.)
-        delta = tl.zeros([TH * TW], tl.float32)
-        for t in range(0, K * K):
-            ky, kx, inside = _tap(oy, ox, t, H, W, STRIDE, K)
-            inside = inside & valid
-            z = tl.load(LOGITS + b * slb + ky * sly + kx * slx + l * sll + h * slh, mask=inside,
-                        other=0.).to(tl.float32)
-            p = tl.where(inside, tl.exp2((z + tl.load(RPB + table + t)) * 1.4426950408889634
-                                         - lse), 0.)
-            v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, inside, D, BD)
-            delta += p * tl.load(WS + table + t) * tl.sum(g * v.to(tl.float32), 1)
-        tl.store(DELTA + lse_row + l * heads, delta, mask=valid)
+        w = tl.load(WS + table + t, mask=q_ok, other=0.)
+        delta += p * w[:, None] * tl.sum(g * v[None, :, :], 2)
+    tl.store(DELTA + q[:, None] * heads + lse_rows[None, :], delta, mask=row_ok)
 
 
 @triton.jit
@@ -142,41 +185,42 @@ def _qna_bwd_keys_kernel(
         sdlb, sdly, sdlx, sdll, sdlh, sdvb, sdvy, sdvx, sdvh, sdvd,
         heads, H, W, Ho, Wo, L, D,
         K: tl.constexpr, STRIDE: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-        BD: tl.constexpr):
-    """A tile of keys: per learned query and tap, the output whose window holds the key there
-    (``key = out * stride + tap - r``), its probability recomputed from its log-sum-exp."""
+        BD: tl.constexpr, LP: tl.constexpr, SUM_QUERIES: tl.constexpr):
+    """A tile of keys: per tap, the output whose window holds the key there (``key = out *
+    stride + tap - r``), every query's probability recomputed from its log-sum-exp."""
     b, h, ky, kx, valid = _program(heads, H, W, TH, TW)
+    q, q_ok, table = _queries(L, heads, h, K, LP)
+    key_ok = q_ok[:, None] & valid[None, :]
     v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, valid, D, BD).to(tl.float32)
+    z = tl.load(_per_query(LOGITS + b * slb + h * slh, q, sll, ky, kx, sly, slx), mask=key_ok,
+                other=0.).to(tl.float32)
     dv = tl.zeros([TH * TW, BD], tl.float32)
-    partial = (tl.program_id(0).to(tl.int64) * L) * K * K
-    for l in range(0, L):
-        table = (l * heads + h) * K * K
-        z = tl.load(LOGITS + b * slb + ky * sly + kx * slx + l * sll + h * slh, mask=valid,
-                    other=0.).to(tl.float32)
-        dz_total = tl.zeros([TH * TW], tl.float32)
-        for t in range(0, K * K):
-            ny = ky - t // K + (K - 1) // 2   # out * stride
-            nx = kx - t % K + (K - 1) // 2
-            oy = tl.where(ny >= 0, ny, 0) // STRIDE
-            ox = tl.where(nx >= 0, nx, 0) // STRIDE
-            seen = (valid & (ny >= 0) & (nx >= 0) & (ny % STRIDE == 0) & (nx % STRIDE == 0)
-                    & (oy < Ho) & (ox < Wo))
-            row = (((b * Ho + oy) * Wo + ox) * L + l) * heads + h
-            lse = tl.load(LSE + row, mask=seen, other=float("inf"))  # p = 0 where unseen
-            delta = tl.load(DELTA + row, mask=seen, other=0.)
-            g = load_rows(G + b * sgb + l * sgl + h * sgh, oy, ox, sgy, sgx, sgd, seen, D,
-                          BD).to(tl.float32)
-            w = tl.load(WS + table + t)
-            p = tl.where(seen, tl.exp2((z + tl.load(RPB + table + t)) * 1.4426950408889634
-                                       - lse), 0.)
-            gv = tl.sum(g * v, 1)
-            dz = p * (w * gv - delta)
-            dz_total += dz
-            dv += (p * w)[:, None] * g
-            tl.store(DRPB + partial + l * K * K + t, tl.sum(dz, 0))
-            tl.store(DWS + partial + l * K * K + t, tl.sum(p * gv, 0))
-        tl.store(DLOGITS + b * sdlb + ky * sdly + kx * sdlx + l * sdll + h * sdlh,
-                 dz_total.to(DLOGITS.dtype.element_ty), mask=valid)
+    dz_total = tl.zeros([LP, TH * TW], tl.float32)
+    partial = tl.program_id(0).to(tl.int64) * L * K * K + q * K * K  # this program's tables
+    for t in range(0, K * K):
+        ny = ky - t // K + (K - 1) // 2   # out * stride
+        nx = kx - t % K + (K - 1) // 2
+        oy = tl.where(ny >= 0, ny, 0) // STRIDE
+        ox = tl.where(nx >= 0, nx, 0) // STRIDE
+        seen = (valid & (ny >= 0) & (nx >= 0) & (ny % STRIDE == 0) & (nx % STRIDE == 0)
+                & (oy < Ho) & (ox < Wo))
+        ok = q_ok[:, None] & seen[None, :]
+        rows = q[:, None] * heads + (((b * Ho + oy) * Wo + ox) * L * heads + h)[None, :]
+        lse = tl.load(LSE + rows, mask=ok, other=float("inf"))  # p = 0 where unseen
+        delta = tl.load(DELTA + rows, mask=ok, other=0.)
+        g = _gradient_rows(G, b, sgb, h, sgh, q, sgl, oy, ox, sgy, sgx, sgd, seen, q_ok, D, BD,
+                           SUM_QUERIES)
+        w = tl.load(WS + table + t, mask=q_ok, other=0.)
+        rpb = tl.load(RPB + table + t, mask=q_ok, other=0.)
+        p = tl.where(ok, tl.exp2(to_base2(z + rpb[:, None]) - lse), 0.)
+        gv = tl.sum(g * v[None, :, :], 2)
+        dz = p * (w[:, None] * gv - delta)
+        dz_total += dz
+        dv += tl.sum((p * w[:, None])[:, :, None] * g, 0)
+        tl.store(DRPB + partial + t, tl.sum(dz, 1), mask=q_ok)
+        tl.store(DWS + partial + t, tl.sum(p * gv, 1), mask=q_ok)
+    tl.store(_per_query(DLOGITS + b * sdlb + h * sdlh, q, sdll, ky, kx, sdly, sdlx),
+             dz_total.to(DLOGITS.dtype.element_ty), mask=key_ok)
     store_rows(DV + b * sdvb + h * sdvh, dv, ky, kx, sdvy, sdvx, sdvd, valid, D, BD)
 
 
@@ -195,16 +239,25 @@ def support(device: str, dtype: torch.dtype, head_dim: int) -> Optional[str]:
     return "; ".join(not_supported_reasons(device, dtype, head_dim)) or None
 
 
-def _grid(batch_heads: int, spatial) -> tuple:
-    return (batch_heads * -(-spatial[0] // TILE[0]) * -(-spatial[1] // TILE[1]),)
+def tile(queries: int, head_dim: int) -> tuple:
+    """Outputs (or keys) per program: 8 x 8, fewer (down to a row of 8) where the queries'
+    accumulators, ``queries x outputs x head_dim`` fp32 values, would pass 2048 (16 registers
+    per thread): at head dim 256 more spill (scripts/compile_kernels.py)."""
+    outputs = max(8, min(64, 2048 // (pow2(queries, 1) * pow2(head_dim, 1))))
+    return outputs // 8, 8
 
 
-def _geometry(logits, v, kernel_size, stride):
+def _grid(batch_heads: int, spatial, geo) -> tuple:
+    return (batch_heads * -(-spatial[0] // geo["TH"]) * -(-spatial[1] // geo["TW"]),)
+
+
+def _geometry(logits, v, kernel_size, stride, sum_queries):
     B, H, W, L, heads = logits.shape
     Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
+    th, tw = tile(L, v.shape[-1])
     return dict(heads=heads, H=H, W=W, Ho=Ho, Wo=Wo, L=L, D=v.shape[-1], K=kernel_size,
-                STRIDE=stride, TH=TILE[0], TW=TILE[1], BD=pow2(v.shape[-1], 1),
-                num_warps=NUM_WARPS)
+                STRIDE=stride, TH=th, TW=tw, BD=pow2(v.shape[-1], 1), LP=pow2(L, 1),
+                SUM_QUERIES=sum_queries, num_warps=NUM_WARPS)
 
 
 def _g_strides(g: torch.Tensor, sum_queries: bool) -> tuple:
@@ -216,26 +269,27 @@ def _g_strides(g: torch.Tensor, sum_queries: bool) -> tuple:
 
 
 def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
-    geo = _geometry(logits, v, kernel_size, stride)
+    geo = _geometry(logits, v, kernel_size, stride, sum_queries)
     B, L, heads, d = logits.shape[0], geo["L"], geo["heads"], geo["D"]
     shape = (B, geo["Ho"], geo["Wo"]) + ((heads, d) if sum_queries else (L, heads, d))
     o = v.new_empty(shape)
     lse = torch.empty((B, geo["Ho"], geo["Wo"], L, heads), device=v.device, dtype=torch.float32)
-    launch_on_device(_qna_fwd_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"])), logits, v, rpb,
-                     ws, o, lse, *logits.stride(), *v.stride(), *_g_strides(o, sum_queries),
-                     SUM_QUERIES=sum_queries, **geo)
+    launch_on_device(_qna_fwd_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"]), geo), logits, v,
+                     rpb, ws, o, lse, *logits.stride(), *v.stride(), *_g_strides(o, sum_queries),
+                     **geo)
     return o, lse
 
 
 def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries):
-    geo = _geometry(logits, v, kernel_size, stride)
+    geo = _geometry(logits, v, kernel_size, stride, sum_queries)
     B, heads = logits.shape[0], geo["heads"]
     g_strides = _g_strides(g, sum_queries)
     delta = torch.empty_like(lse)
-    launch_on_device(_qna_bwd_delta_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"])), logits, v,
-                     rpb, ws, g, lse, delta, *logits.stride(), *v.stride(), *g_strides, **geo)
+    launch_on_device(_qna_bwd_delta_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"]), geo),
+                     logits, v, rpb, ws, g, lse, delta, *logits.stride(), *v.stride(), *g_strides,
+                     **geo)
     dlogits, dv = torch.empty_like(logits), torch.empty_like(v)
-    grid = _grid(B * heads, (geo["H"], geo["W"]))
+    grid = _grid(B * heads, (geo["H"], geo["W"]), geo)
     drpb, dws = (torch.empty((grid[0],) + rpb.shape[:1] + rpb.shape[2:], device=v.device,
                              dtype=torch.float32) for _ in range(2))  # [programs, L, k, k]
     launch_on_device(_qna_bwd_keys_kernel, grid, logits, v, rpb, ws, g, lse, delta, dlogits, dv,

@@ -42,6 +42,12 @@ from triton.runtime.interpreter import InterpretedFunction
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is one instruction)
 
 
+@triton.jit
+def to_base2(x):
+    """``x * log2(e)``: a natural-log logit as the base-2 logit the kernels' softmax takes."""
+    return x * 1.4426950408889634
+
+
 # ---------------------------------------------------------------------------------------------
 # window arithmetic (group coordinates)
 # ---------------------------------------------------------------------------------------------
