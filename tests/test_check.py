@@ -126,9 +126,11 @@ def test_check_passes_the_triton_kernels_under_the_interpreter():
                         rows[op, "cuda", "fp32"]), result.stdout
 
 
-def test_check_says_so_when_no_case_ran(monkeypatch, capsys):
+def test_check_fails_when_a_backend_asked_for_runs_no_case(monkeypatch, capsys):
+    """Named with --backend, a backend that can run nothing here (the cuda kernels on CPU
+    outside the interpreter) fails the check: a user verifying it must not read "ok"."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the cuda backend cannot run here
-    assert cli.main(["check", "--device", "cpu", "--backend", "cuda"]) == 0
+    assert cli.main(["check", "--device", "cpu", "--backend", "cuda", "torch"]) == 1
     out = capsys.readouterr().out
-    assert "fp32: worst error forward -, backward -; tolerance 1e-05" in out
-    assert out.rstrip().endswith("ok, but no case ran here: the notes above say why")
+    assert "fp32: worst error forward" in out
+    assert out.rstrip().endswith("FAILED: no case ran on cuda here: the notes above say why")

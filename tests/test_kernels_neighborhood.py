@@ -350,11 +350,11 @@ class _GPU(NamedTuple):  # the fields of torch.cuda.get_device_properties the ke
     name: str
     major: int
     minor: int
-    shared_memory_per_multiprocessor: int
+    shared_memory_per_block_optin: int
 
 
-GPUS = [_GPU("NVIDIA H100 80GB HBM3", 9, 0, 228 << 10), _GPU("NVIDIA A10", 8, 6, 100 << 10),
-        _GPU("Tesla T4", 7, 5, 64 << 10), _GPU("a small GPU", 8, 0, 41 << 10)]
+GPUS = [_GPU("NVIDIA H100 80GB HBM3", 9, 0, 227 << 10), _GPU("NVIDIA A10", 8, 6, 99 << 10),
+        _GPU("Tesla T4", 7, 5, 64 << 10), _GPU("a small GPU", 8, 0, 40 << 10)]
 
 
 @pytest.fixture

@@ -99,8 +99,11 @@ def test_san_kernels_match_the_reference_fp32(op, shape, geometry, bounds_checke
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("op", OPS)
-def test_san_kernels_low_precision(op, dtype):
-    check_against_reference(op, (1, 4, 2, 7, 9), dtype=dtype, kernel_size=3, stride=2)
+@pytest.mark.parametrize("geometry", [
+    dict(kernel_size=3, stride=2),
+    dict(kernel_size=3, dilation=2, padding_mode="zeros")], ids=["k3-s2-reflect", "k3-d2-zeros"])
+def test_san_kernels_low_precision(op, dtype, geometry):
+    check_against_reference(op, (1, 4, 2, 7, 9), dtype=dtype, **geometry)
 
 
 @pytest.mark.parametrize("op", OPS)

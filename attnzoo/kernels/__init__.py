@@ -95,10 +95,10 @@ def _cuda_index(device: str) -> int:
 @functools.lru_cache(maxsize=None)
 def _cuda_device_info(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
-    # A block may opt in to its multiprocessor's shared memory less the 1 KiB CUDA reserves per
-    # block (A100: 163 of 164 KiB; RTX 30xx / 40xx: 99 of 100; H100: 227 of 228).
+    # What one block may opt in to (A100: 163 KiB; RTX 30xx / 40xx: 99; H100: 227). torch
+    # reports it from 2.6, the first with a Triton the kernels accept; 0 before (nothing fits).
     return DeviceInfo(props.name, (props.major, props.minor),
-                      props.shared_memory_per_multiprocessor - 1024)
+                      getattr(props, "shared_memory_per_block_optin", 0))
 
 
 def device_info(device: str) -> DeviceInfo:
