@@ -1,5 +1,6 @@
 """Launching training: DDP over two CPU processes, the launches the README documents from inside a
-timm clone, and the timm floor checked at ``import attnzoo``.
+timm clone (one machine, and two nodes started on this one), and the timm floor checked at
+``import attnzoo``.
 
 The clone is faked: a folder whose ``timm/`` is not the installed timm (one that raises when
 imported, or an old version), which is what Python puts first on sys.path when a script runs
@@ -9,6 +10,7 @@ command is that module), ``--standalone`` (a local rendezvous on a free port).
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +84,52 @@ def test_train_py_in_a_clone_under_torchrun_imports_the_installed_timm_with_pyth
         f.read_text() for f in clone.glob("rank*.txt"))))
     assert [line[:2] for line in lines] == [("0", "2"), ("1", "2")]
     assert all(str(clone) not in line[2] for line in lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("rendezvous", ["node-rank", "c10d"])
+def test_two_nodes_launched_as_the_readme_does_form_one_job(tmp_path, rendezvous):
+    """The README's multi-node lines (``torchrun --nnodes=2 ... -m attnzoo timm train.py``, with
+    ``--node_rank`` and a master address, or with a c10d rendezvous), two nodes of one process
+    each started on this machine: one job of world size 2, a rank per node."""
+    clone = _clone(tmp_path, "raise ImportError('the clone was imported')\n")
+    (clone / "train.py").write_text(
+        "import os, torch, timm\n"
+        "from timm.utils import init_distributed_device\n"
+        "class Args: device = 'cpu'\n"
+        "init_distributed_device(Args)\n"
+        "total = torch.ones(1)\n"
+        "torch.distributed.all_reduce(total)\n"
+        "open(f'rank{Args.rank}.txt', 'w').write("
+        "f\"{Args.rank} {int(total.item())} {os.environ['GROUP_RANK']} {timm.__file__}\")\n"
+        "torch.distributed.destroy_process_group()\n")
+    port = _free_port()
+    nodes = []
+    for node in (0, 1):
+        if rendezvous == "node-rank":
+            where = [f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        else:
+            where = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                     "--rdzv_id=attnzoo-test"]
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+             *where, "-m", "attnzoo", "timm", "train.py"], cwd=clone, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    results = sorted((clone / f"rank{r}.txt").read_text().split() for r in (0, 1))
+    assert [r[:2] for r in results] == [["0", "2"], ["1", "2"]]  # one job: ranks 0, 1 of 2
+    assert sorted(r[2] for r in results) == ["0", "1"]  # a rank on each node
+    assert all(str(clone) not in r[3] for r in results)
 
 
 def test_import_with_a_timm_below_the_floor_fails_at_once_naming_it_its_path_and_the_floor(
