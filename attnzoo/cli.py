@@ -256,12 +256,15 @@ def _cmd_publish(args, parser) -> int:
         if not args.dry_run:
             hub.check_token()
         print(f"[1/{steps}] reading {args.checkpoint}", flush=True)
-        model, source = hub.load_checkpoint_model(args.model, args.checkpoint, args.use_ema)
+        model, source, model_args, from_args = hub.load_checkpoint_model(
+            args.model, args.checkpoint, args.use_ema)
         print(f"        took {source}: {type(model).__name__}, {model.num_classes} classes, "
               "loaded strictly", flush=True)
+        if from_args:
+            print(f"        from its train.py args: {from_args}", flush=True)
         logits = hub.check_finite(model)
         print(f"[2/{steps}] logits of a random "
-              f"{'x'.join(map(str, model.pretrained_cfg['input_size']))} image: finite",
+              f"{'x'.join(map(str, hub.input_shape(model)))} image: finite",
               flush=True)
         evaluation = None
         if args.eval_dir:
@@ -273,7 +276,8 @@ def _cmd_publish(args, parser) -> int:
                    f"converted and checked by `attnzoo publish` (attnzoo {__version__})")
         card = hub.model_card(model, hub.measure_facts(model), repo_id=repo_id, weights=weights,
                               evaluation=evaluation)
-        hub.write_hub_folder(model, out, card, name, (evaluation or {}).get("classes"))
+        hub.write_hub_folder(model, out, card, name, (evaluation or {}).get("classes"),
+                             model_args)
         print(f"[3/{steps}] wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}",
               flush=True)
         hub.check_reload(model, out, logits)
