@@ -144,11 +144,14 @@ def _read_any(model_name: str, path: PathLike) -> Any:
     return reader(path)
 
 
-def _convert(model_name: str, checkpoint: Any, **model_kwargs) -> Dict[str, torch.Tensor]:
-    """``checkpoint`` through the family's filter onto ``timm.create_model(model_name,
-    **model_kwargs)`` (built on the meta device: only its keys and shapes are needed)."""
+def _convert(model_name: str, checkpoint: Any, model: Optional[torch.nn.Module] = None,
+             **model_kwargs) -> Dict[str, torch.Tensor]:
+    """``checkpoint`` through the family's filter onto ``model``, by default
+    ``timm.create_model(model_name, **model_kwargs)`` built on the meta device (only its keys
+    and shapes are needed)."""
     import timm
-    model = timm.create_model(model_name, pretrained=False, device="meta", **model_kwargs)
+    if model is None:
+        model = timm.create_model(model_name, pretrained=False, device="meta", **model_kwargs)
     state_dict = _family_module(model_name).checkpoint_filter_fn(checkpoint, model)
     return {k: v.contiguous() for k, v in state_dict.items()}
 
@@ -295,19 +298,21 @@ def load_checkpoint_model(model_name: str, path: PathLike,
     elif use_ema:
         raise ValueError(f"{name} is not a train.py checkpoint with EMA weights "
                          f"(no 'state_dict_ema'); leave out --use-ema")
-    try:
-        meta = timm.create_model(model_name, device="meta", **kwargs)
+    try:  # on the meta device: the filter needs keys and shapes only
+        model = timm.create_model(model_name, device="meta", **kwargs)
     except TypeError as e:  # an argument the model does not take
         raise ValueError(f"{name}: {model_name} cannot be built with {kwargs}: {e}") from None
-    state_dict = _convert(model_name, checkpoint, **kwargs)
-    cfg = meta.pretrained_cfg
+    state_dict = _convert(model_name, checkpoint, model)
+    cfg, inferred = model.pretrained_cfg, {}
     head = state_dict.get(f"{cfg['classifier']}.weight")
     if "num_classes" not in kwargs and head is not None and head.shape[0] != cfg["num_classes"]:
-        kwargs["num_classes"] = head.shape[0]
+        inferred["num_classes"] = head.shape[0]
     stem = state_dict.get(f"{cfg['first_conv']}.weight")
     if "in_chans" not in kwargs and stem is not None and stem.shape[1] != 3:
-        kwargs["in_chans"] = stem.shape[1]
-    model = timm.create_model(model_name, device="meta", **kwargs)
+        inferred["in_chans"] = stem.shape[1]
+    if inferred:
+        kwargs.update(inferred)
+        model = timm.create_model(model_name, device="meta", **kwargs)
     restored = model.state_dict().keys()
     if all(name in restored for name, _ in model.named_buffers()):
         model = model.to_empty(device="cpu")  # every value comes from the checkpoint: no init
