@@ -586,9 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use-ema", action="store_true",
                    help="take a train.py checkpoint's state_dict_ema (default: its state_dict)")
     p.add_argument("--eval-dir", default=None,
-                   help="an ImageFolder (e.g. ImageNet val) to measure top-1/top-5 on; its class "
-                        "folders also name the classes of a non-ImageNet head they all cover "
-                        "(default: none)")
+                   help="an ImageFolder to measure top-1/top-5 on: one folder per class of the "
+                        "head (sorted: the head's order), which then name a non-ImageNet head's "
+                        "classes, or ImageNet synset folders, any part of ImageNet val, for a "
+                        "1000-class head (default: none)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=32, help="for --eval-dir")
     p.add_argument("--workers", type=_int_at_least(0), default=4, help="for --eval-dir")
     p.add_argument("--private", action="store_true",
