@@ -49,8 +49,9 @@ __all__ = [
     "BACKENDS", "CONCRETE_BACKENDS", "AUTO_ORDER", "ENV_VAR", "BackendUnsupportedError", "Backend",
     "set_backend", "get_backend", "use_backend", "reset", "on_reset", "register_op",
     "registered_ops", "dispatch", "resolve", "available_backends", "supported_backends",
-    "observe_ops", "op_examples", "Case", "CheckResult", "TOLERANCE", "case_inputs", "op_cases",
-    "case_support", "check_case", "exporting",
+    "call_limits", "observe_ops", "record_calls", "RUNS_ON", "op_examples", "Case",
+    "CheckResult", "TOLERANCE", "case_inputs", "op_cases", "case_support", "check_case",
+    "exporting",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -59,6 +60,12 @@ _logger = logging.getLogger(__name__)
 CONCRETE_BACKENDS: Tuple[str, ...] = ("torch", "natten", "cuda")
 BACKENDS: Tuple[str, ...] = CONCRETE_BACKENDS + ("auto",)
 ENV_VAR = "ATTNZOO_BACKEND"
+# What each concrete backend is and where it runs, in a phrase (model cards).
+RUNS_ON: Dict[str, str] = {
+    "torch": "attnzoo's PyTorch reference, any device and dtype",
+    "natten": "NATTEN's kernels (installed apart), CPU and CUDA",
+    "cuda": "attnzoo's Triton kernels, CUDA GPUs of compute capability >= 8.0",
+}
 
 # auto's preference per device type of the call, fastest first; a backend that cannot run the
 # call (or that an op does not implement) is passed over, and the torch reference comes last.
@@ -196,10 +203,14 @@ def _always(key: tuple) -> Optional[str]:
 class Backend(NamedTuple):
     """One backend of an op: ``impl(*args)`` and ``support(key) -> None | reason``;
     ``trusted(key) -> None | reason`` is what ``auto`` asks on top (a kernel not yet verified
-    on the call's GPU is left to an explicit request)."""
+    on the call's GPU is left to an explicit request); ``limits(key) -> None | reason``: the
+    part of ``support``'s answer that the call alone decides, on any machine (NATTEN >= 0.20
+    has no rpb; a kernel's largest head dim), in a short phrase that model cards state
+    (:func:`call_limits`); whether it is installed and the device are ``support``'s alone."""
     impl: Callable[..., Any]
     support: Callable[[tuple], Optional[str]] = _always
     trusted: Callable[[tuple], Optional[str]] = _always
+    limits: Callable[[tuple], Optional[str]] = _always
 
 
 # ``examples(device, dtype)`` -> [(label, run)], ``run(backend)`` calling the public op at a
@@ -291,6 +302,22 @@ def _op(name: str) -> _Op:
 def available_backends(op: str, key: tuple) -> Dict[str, Optional[str]]:
     """For each concrete backend of ``op``: ``None`` if it can run call ``key``, else why not."""
     return {b: backend.support(key) for b, backend in _op(op).backends.items()}
+
+
+def call_limits(op: str, keys: Sequence[tuple]) -> Dict[str, Optional[str]]:
+    """For each concrete backend: ``None`` if nothing in calls ``keys`` of ``op`` is beyond it
+    on any machine (its :attr:`Backend.limits`), else why, each reason once; a backend that
+    ``op`` does not register is beyond it. Machine-independent: what model cards say."""
+    spec = _op(op)
+    result: Dict[str, Optional[str]] = {}
+    for name in CONCRETE_BACKENDS:
+        backend = spec.backends.get(name)
+        if backend is None:
+            result[name] = f"{op} has no {name!r} implementation"
+            continue
+        reasons = dict.fromkeys(r for r in map(backend.limits, keys) if r is not None)
+        result[name] = "; ".join(reasons) or None
+    return result
 
 
 def supported_backends(op: str, key: tuple) -> Tuple[str, ...]:
@@ -385,6 +412,22 @@ def observe_ops(observer: Callable[[str, str, int], ContextManager]) -> Iterator
         _observers.remove(observer)
 
 
+# Per record_calls() block, each op's distinct call keys in order of appearance; empty otherwise.
+_recorders: List[Dict[str, List[tuple]]] = []
+
+
+@contextlib.contextmanager
+def record_calls() -> Iterator[Dict[str, List[tuple]]]:
+    """Within the block, the call key of every dispatched op call is recorded: the yielded
+    dict maps each op to its distinct keys (what :func:`call_limits` takes)."""
+    calls: Dict[str, List[tuple]] = {}
+    _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _recorders.remove(calls)
+
+
 # torch.export (the ONNX dynamo exporter included) sets this flag; torch < 2.5 has no such flag.
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
@@ -409,6 +452,10 @@ def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
     if exporting():
         return spec.export(*args)
     name = resolve(op, key, backend, args)
+    for calls in _recorders:
+        keys = calls.setdefault(op, [])
+        if key not in keys:
+            keys.append(key)
     empty = any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
     impl = spec.backends["torch" if empty else name].impl
     if not _observers:

@@ -256,12 +256,15 @@ def _cmd_publish(args, parser) -> int:
         if not args.dry_run:
             hub.check_token()
         print(f"[1/{steps}] reading {args.checkpoint}", flush=True)
-        model, source = hub.load_checkpoint_model(args.model, args.checkpoint, args.use_ema)
+        model, source, model_args, from_args = hub.load_checkpoint_model(
+            args.model, args.checkpoint, args.use_ema)
         print(f"        took {source}: {type(model).__name__}, {model.num_classes} classes, "
               "loaded strictly", flush=True)
+        if from_args:
+            print(f"        from its train.py args: {from_args}", flush=True)
         logits = hub.check_finite(model)
         print(f"[2/{steps}] logits of a random "
-              f"{'x'.join(map(str, model.pretrained_cfg['input_size']))} image: finite",
+              f"{'x'.join(map(str, hub.input_shape(model)))} image: finite",
               flush=True)
         evaluation = None
         if args.eval_dir:
@@ -273,7 +276,8 @@ def _cmd_publish(args, parser) -> int:
                    f"converted and checked by `attnzoo publish` (attnzoo {__version__})")
         card = hub.model_card(model, hub.measure_facts(model), repo_id=repo_id, weights=weights,
                               evaluation=evaluation)
-        hub.write_hub_folder(model, out, card, name, (evaluation or {}).get("classes"))
+        hub.write_hub_folder(model, out, card, name, (evaluation or {}).get("classes"),
+                             model_args)
         print(f"[3/{steps}] wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}",
               flush=True)
         hub.check_reload(model, out, logits)
@@ -586,9 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use-ema", action="store_true",
                    help="take a train.py checkpoint's state_dict_ema (default: its state_dict)")
     p.add_argument("--eval-dir", default=None,
-                   help="an ImageFolder (e.g. ImageNet val) to measure top-1/top-5 on; its class "
-                        "folders also name the classes of a non-ImageNet head they all cover "
-                        "(default: none)")
+                   help="an ImageFolder to measure top-1/top-5 on: one folder per class of the "
+                        "head (sorted: the head's order), which then name a non-ImageNet head's "
+                        "classes, or ImageNet synset folders, any part of ImageNet val, for a "
+                        "1000-class head (default: none)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=32, help="for --eval-dir")
     p.add_argument("--workers", type=_int_at_least(0), default=4, help="for --eval-dir")
     p.add_argument("--private", action="store_true",

@@ -27,7 +27,6 @@ Model cards
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import importlib
 import json
@@ -35,7 +34,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -46,11 +45,11 @@ from .profiling import count_macs, count_params
 
 __all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "TRANSFORMERS_WITHOUT_ATTNZOO", "read_checkpoint",
            "load_official", "CONVERTED_FORMATS", "check_output_path", "save_converted",
-           "load_checkpoint_model", "check_finite", "evaluate", "measure_facts", "backends_here",
-           "config_line", "input_sizes", "weights_source", "class_names", "model_card",
-           "transformers_usage", "readme", "model_cards_markdown", "publish_table",
-           "check_repo_id", "check_out_dir", "write_hub_folder", "check_reload", "check_token",
-           "upload"]
+           "LoadedCheckpoint", "load_checkpoint_model", "input_shape", "check_finite", "evaluate",
+           "measure_facts", "backends_here", "config_line", "input_sizes", "PUBLISHED_REPOS",
+           "weights_source", "backends_lines", "class_names", "model_card", "transformers_usage",
+           "readme", "model_cards_markdown", "publish_table", "check_repo_id", "check_out_dir",
+           "write_hub_folder", "check_reload", "check_token", "upload"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -145,11 +144,14 @@ def _read_any(model_name: str, path: PathLike) -> Any:
     return reader(path)
 
 
-def _convert(model_name: str, checkpoint: Any, **model_kwargs) -> Dict[str, torch.Tensor]:
-    """``checkpoint`` through the family's filter onto ``timm.create_model(model_name,
-    **model_kwargs)`` (built on the meta device: only its keys and shapes are needed)."""
+def _convert(model_name: str, checkpoint: Any, model: Optional[torch.nn.Module] = None,
+             **model_kwargs) -> Dict[str, torch.Tensor]:
+    """``checkpoint`` through the family's filter onto ``model``, by default
+    ``timm.create_model(model_name, **model_kwargs)`` built on the meta device (only its keys
+    and shapes are needed)."""
     import timm
-    model = timm.create_model(model_name, pretrained=False, device="meta", **model_kwargs)
+    if model is None:
+        model = timm.create_model(model_name, pretrained=False, device="meta", **model_kwargs)
     state_dict = _family_module(model_name).checkpoint_filter_fn(checkpoint, model)
     return {k: v.contiguous() for k, v in state_dict.items()}
 
@@ -192,19 +194,94 @@ def save_converted(state_dict: Dict[str, torch.Tensor], path: PathLike) -> None:
     safetensors.torch.save_file(tensors, os.fspath(path))
 
 
+# ``--model-kwargs`` entries that say where train.py took initial weights from: they build no
+# part of the model (and their files need not exist where the checkpoint is published).
+_WEIGHT_SOURCE_KWARGS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay",
+                         "checkpoint_path", "pretrained_strict", "cache_dir")
+
+
+class LoadedCheckpoint(NamedTuple):
+    """What :func:`load_checkpoint_model` built: the model, which weights were taken (a
+    phrase), the constructor arguments it was built with besides ``num_classes``
+    (``config.json``'s ``model_args``: what a reload needs) and, for a train.py checkpoint,
+    what was taken from its ``args`` (a phrase; empty otherwise)."""
+    model: torch.nn.Module
+    source: str
+    model_args: Dict[str, Any]
+    from_args: str = ""
+
+
+def _train_args(model_name: str, name: str, args: Any) -> Tuple[Dict[str, Any], str]:
+    """The ``timm.create_model`` arguments train.py built its model with (from the checkpoint's
+    ``args``) that change the weights' shapes or the eval forward, and what they were, in a
+    phrase. Its drop rates and BatchNorm momentum are left out: they train, nothing else."""
+    args = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    arch = model_name.split(".", 1)[0]
+    trained = str(args.get("model") or arch)
+    if trained.split(".", 1)[0] != arch:
+        raise ValueError(f"{name} was trained as {trained!r} (its args.model), not {arch!r}: "
+                         f"publish it as {trained.split('.', 1)[0]}")
+    kwargs: Dict[str, Any] = {}
+    in_chans = args.get("in_chans") or (args.get("input_size") or (None,))[0]
+    for key, value in (("num_classes", args.get("num_classes")), ("in_chans", in_chans),
+                       ("global_pool", args.get("gp")), ("bn_eps", args.get("bn_eps"))):
+        if value is not None:  # as timm.create_model drops the None ones
+            kwargs[key] = value
+    model_kwargs = dict(args.get("model_kwargs") or {})
+    dropped = sorted(k for k in model_kwargs if k in _WEIGHT_SOURCE_KWARGS)
+    kwargs.update({k: v for k, v in model_kwargs.items() if k not in _WEIGHT_SOURCE_KWARGS})
+    try:
+        json.dumps(kwargs)
+    except TypeError as e:
+        raise ValueError(f"{name}: train.py's model arguments {kwargs} cannot go into "
+                         f"config.json ({e}); accepted: numbers, strings, lists, dicts") from None
+    taken = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none but the defaults"
+    return kwargs, (f"model arguments {taken}"
+                    + (f"; left out {', '.join(dropped)} (where its initial weights came from)"
+                       if dropped else ""))
+
+
+def _train_data_config(model: torch.nn.Module, args: Any,
+                       model_kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """The entries of ``model``'s pretrained cfg that train.py's data config (its args: input
+    or image size, interpolation, mean, std, crop) changed, as ``resolve_data_config`` gives
+    them; a fixed-size model's ``img_size`` model argument sets the input size when the args do
+    not (train.py then had to be given it too)."""
+    from timm.data import resolve_data_config
+    args = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    cfg = model.pretrained_cfg
+    data = resolve_data_config(args, model=model)
+    img_size = model_kwargs.get("img_size")
+    if img_size is not None and not (args.get("input_size") or args.get("img_size")):
+        size = tuple(img_size) if isinstance(img_size, (tuple, list)) else (img_size,) * 2
+        data["input_size"] = (data["input_size"][0], *size)
+    return {k: v for k, v in data.items() if _plain(cfg.get(k)) != _plain(v)}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with tuples as lists, as config.json holds it."""
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
 def load_checkpoint_model(model_name: str, path: PathLike,
-                          use_ema: bool = False) -> Tuple[torch.nn.Module, str]:
+                          use_ema: bool = False) -> LoadedCheckpoint:
     """``model_name`` (a model or ``model.tag``) built from the checkpoint at ``path`` and loaded
-    strictly, in eval mode, with a sentence saying which weights were taken.
+    strictly, in eval mode, with a sentence saying which weights (and train.py arguments) were
+    taken, and the model arguments a reload needs.
 
     Any checkpoint :func:`load_official` reads, and timm ``train.py`` checkpoints: their
-    ``state_dict`` by default, ``state_dict_ema`` with ``use_ema``. The classifier's classes and
-    the stem's input channels are the checkpoint's. Raises ``ValueError`` (one line per problem)
-    for a file that cannot be read or does not fit."""
+    ``state_dict`` by default, ``state_dict_ema`` with ``use_ema``; the model is built with the
+    arguments train.py built it with (its ``args``: ``--model-kwargs``, ``--num-classes``,
+    ``--in-chans``, ``--gp``, ``--bn-eps``), and its pretrained cfg takes train.py's data
+    config (input size, mean, std, crop...). Otherwise the classifier's classes and the stem's
+    input channels are the checkpoint's. Raises ``ValueError`` (one line per problem) for a
+    file that cannot be read or does not fit."""
     import timm
 
     checkpoint = _read_any(model_name, path)
     name = source = os.path.basename(os.fspath(path))
+    kwargs: Dict[str, Any] = {}
+    train_args, from_args = None, ""
     if isinstance(checkpoint, dict) and any(k in checkpoint for k in _TRAIN_KEYS):
         key = "state_dict_ema" if use_ema else "state_dict"
         if key not in checkpoint:
@@ -214,20 +291,28 @@ def load_checkpoint_model(model_name: str, path: PathLike,
         other = "state_dict" if use_ema else "state_dict_ema"
         source = (f"{key} ({'EMA' if use_ema else 'non-EMA'} weights) of {name}{epoch}"
                   + (f"; it also holds {other}" if other in checkpoint else ""))
+        train_args = checkpoint.get("args")
+        if train_args is not None:
+            kwargs, from_args = _train_args(model_name, name, train_args)
         checkpoint = checkpoint[key]
     elif use_ema:
         raise ValueError(f"{name} is not a train.py checkpoint with EMA weights "
                          f"(no 'state_dict_ema'); leave out --use-ema")
-    state_dict = _convert(model_name, checkpoint)
-    cfg = timm.create_model(model_name, device="meta").pretrained_cfg
-    kwargs = {}
+    try:  # on the meta device: the filter needs keys and shapes only
+        model = timm.create_model(model_name, device="meta", **kwargs)
+    except TypeError as e:  # an argument the model does not take
+        raise ValueError(f"{name}: {model_name} cannot be built with {kwargs}: {e}") from None
+    state_dict = _convert(model_name, checkpoint, model)
+    cfg, inferred = model.pretrained_cfg, {}
     head = state_dict.get(f"{cfg['classifier']}.weight")
-    if head is not None and head.shape[0] != cfg["num_classes"]:
-        kwargs["num_classes"] = head.shape[0]
+    if "num_classes" not in kwargs and head is not None and head.shape[0] != cfg["num_classes"]:
+        inferred["num_classes"] = head.shape[0]
     stem = state_dict.get(f"{cfg['first_conv']}.weight")
-    if stem is not None and stem.shape[1] != 3:
-        kwargs["in_chans"] = stem.shape[1]
-    model = timm.create_model(model_name, device="meta", **kwargs)
+    if "in_chans" not in kwargs and stem is not None and stem.shape[1] != 3:
+        inferred["in_chans"] = stem.shape[1]
+    if inferred:
+        kwargs.update(inferred)
+        model = timm.create_model(model_name, device="meta", **kwargs)
     restored = model.state_dict().keys()
     if all(name in restored for name, _ in model.named_buffers()):
         model = model.to_empty(device="cpu")  # every value comes from the checkpoint: no init
@@ -238,17 +323,32 @@ def load_checkpoint_model(model_name: str, path: PathLike,
     except RuntimeError as e:  # keys the filter leaves to timm (the classifier)
         raise ValueError(f"checkpoint does not match {model_name}: "
                          + " ".join(str(e).split())) from None
-    return model.eval(), source
+    if train_args is not None:
+        data = _train_data_config(model, train_args, kwargs)
+        if data:
+            model.pretrained_cfg = model.default_cfg = {**model.pretrained_cfg, **data}
+            from_args += "; data config " + ", ".join(f"{k}={v!r}" for k, v in data.items())
+    model_args = {k: v for k, v in kwargs.items() if k != "num_classes"}
+    return LoadedCheckpoint(model.eval(), source, model_args, from_args)
 
 
 # ----------------------------------------------------------------------------------------------
 # measuring
 # ----------------------------------------------------------------------------------------------
 
+def input_shape(model: torch.nn.Module,
+                size: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
+    """``(C, H, W)``: ``size`` (default: the pretrained cfg's ``input_size``) with the channels
+    of the model's stem; timm keeps the cfg's 3 channels for a model built with another
+    ``in_chans``."""
+    size = model.pretrained_cfg["input_size"] if size is None else size
+    return (_in_chans(model), *size[1:])
+
+
 def _check_input(model: torch.nn.Module) -> torch.Tensor:
     """A fixed random image at the model's default input size (same values on every call)."""
     gen = torch.Generator().manual_seed(0)
-    return torch.randn(1, *model.pretrained_cfg["input_size"], generator=gen)
+    return torch.randn(1, *input_shape(model), generator=gen)
 
 
 def check_finite(model: torch.nn.Module) -> torch.Tensor:
@@ -262,12 +362,39 @@ def check_finite(model: torch.nn.Module) -> torch.Tensor:
     return logits
 
 
+def _eval_targets(model: torch.nn.Module, image_dir: str, folders: Sequence[str],
+                  images: int) -> Optional[torch.Tensor]:
+    """The head's index of each class folder (in sorted order), or ``None`` where the folders
+    are the head's classes in index order. ImageNet synset folders (``n01440764``...) of a
+    1000-class head take their ImageNet-1k index from timm's ``ImageNetInfo``, so a part of
+    ImageNet val counts right; any other ImageFolder must have one folder per class of the head
+    (its sorted order is the head's order, as in timm's ``validate.py``)."""
+    from timm.data import ImageNetInfo
+    n = model.num_classes
+    if n == 1000 and folders:
+        synsets = {name: i for i, name in enumerate(ImageNetInfo("imagenet-1k").label_names())}
+        if all(f in synsets for f in folders):
+            return torch.tensor([synsets[f] for f in folders])
+    if images and len(folders) == n:
+        return None
+    shown = ", ".join(list(folders)[:3]) + (", ..." if len(folders) > 3 else "")
+    imagenet = (" or ImageNet-1k synset folders (n01440764, ...; any part of ImageNet val)"
+                if n == 1000 else "")
+    raise ValueError(f"--eval-dir {image_dir!r} has {len(folders)} class folders ({shown}) and "
+                     f"{images} images; the {n}-class head needs an ImageFolder with exactly "
+                     f"{n} class folders, in the head's order when sorted{imagenet}")
+
+
 def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
              workers: int = 0) -> Dict[str, Any]:
-    """Top-1 / top-5 accuracy (%) of ``model`` on an ImageFolder (one sub-folder per class,
-    classes in sorted order as timm's ``validate.py`` takes them), with the model's eval
+    """Top-1 / top-5 accuracy (%) of ``model`` on an ImageFolder, with the model's eval
     transform (``resolve_data_config``), a progress bar on stderr; with the number of images
-    and the class folders' names in index order (``classes``)."""
+    and the class folders' names in sorted order (``classes``).
+
+    The ImageFolder has one sub-folder per class of the head, in the head's order when sorted
+    (as timm's ``validate.py`` takes them), or, for a 1000-class head, ImageNet-1k synset
+    folders, any number of them (each is scored against its ImageNet-1k index); anything else
+    is a ``ValueError``, as a top-1 that compares unrelated indices would mean nothing."""
     from timm.data import create_dataset, create_loader, resolve_data_config
     from tqdm import tqdm
 
@@ -275,11 +402,11 @@ def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
     if not os.path.isdir(image_dir):
         raise ValueError(f"--eval-dir {image_dir!r} is not a folder")
     dataset = create_dataset("", root=image_dir)
-    classes = getattr(dataset.reader, "class_to_idx", {})
-    if not len(dataset) or len(classes) > model.num_classes:
-        raise ValueError(f"--eval-dir {image_dir!r} must be an ImageFolder (one sub-folder of "
-                         f"images per class, at most {model.num_classes} classes); it has "
-                         f"{len(classes)} classes and {len(dataset)} images")
+    class_to_idx = getattr(dataset.reader, "class_to_idx", {})
+    folders = sorted(class_to_idx, key=class_to_idx.get)
+    targets = _eval_targets(model, image_dir, folders, len(dataset))
+    if not len(dataset):
+        raise ValueError(f"--eval-dir {image_dir!r} has no images")
     cfg = resolve_data_config({}, model=model)
     loader = create_loader(dataset, input_size=cfg["input_size"], batch_size=batch_size,
                            use_prefetcher=False, interpolation=cfg["interpolation"],
@@ -288,30 +415,26 @@ def evaluate(model: torch.nn.Module, image_dir: PathLike, batch_size: int = 32,
     correct1 = correct5 = 0
     with torch.no_grad():
         for x, y in tqdm(loader, desc="eval", unit="batch"):
+            y = y if targets is None else targets[y]
             top = model(x).topk(min(5, model.num_classes), dim=-1).indices
             correct1 += int((top[:, 0] == y).sum())
             correct5 += int((top == y[:, None]).any(-1).sum())
     n = len(dataset)
     return {"top1": 100 * correct1 / n, "top5": 100 * correct5 / n, "images": n,
-            "classes": sorted(classes, key=classes.get)}
+            "classes": folders}
 
 
 def measure_facts(model: torch.nn.Module) -> Dict[str, Any]:
-    """GMACs at the model's default input size and the attnzoo ops one forward runs (counted on
-    whatever device the model is on; the meta device is enough)."""
-    ops: Dict[str, None] = {}
-
-    @contextlib.contextmanager
-    def seen(op: str, backend: str, macs: int):
-        ops[op] = None
-        yield
-
+    """GMACs at the model's default input size, the attnzoo ops one forward runs and, per op,
+    each backend's limits on the model's calls (``backends``: op -> backend -> ``None`` or why
+    it never runs them, :func:`attnzoo.backends.call_limits`); counted on whatever device the
+    model is on, the meta device being enough."""
     if next(model.parameters()).device.type != "meta":
         model = copy.deepcopy(model).to("meta")  # counting needs shapes, not a real forward
-    size = model.pretrained_cfg["input_size"]
-    with backends.observe_ops(seen):
-        macs = count_macs(model, (1, *size))
-    return {"gmacs": round(macs / 1e9, 2), "ops": list(ops)}
+    with backends.record_calls() as calls:
+        macs = count_macs(model, (1, *input_shape(model)))
+    return {"gmacs": round(macs / 1e9, 2), "ops": list(calls),
+            "backends": {op: backends.call_limits(op, keys) for op, keys in calls.items()}}
 
 
 def backends_here(model: torch.nn.Module) -> Dict[str, Optional[str]]:
@@ -320,8 +443,8 @@ def backends_here(model: torch.nn.Module) -> Dict[str, Optional[str]]:
     "runs" a model without attnzoo ops)."""
     cfg = model.pretrained_cfg
     size = cfg["input_size"] if cfg.get("fixed_input_size") else (
-        cfg.get("min_input_size") or (cfg["input_size"][0], 64, 64))
-    x = torch.randn(1, *size, device=next(model.parameters()).device)
+        cfg.get("min_input_size") or (3, 64, 64))
+    x = torch.randn(1, *input_shape(model, size), device=next(model.parameters()).device)
     result: Dict[str, Optional[str]] = {}
     for name in backends.CONCRETE_BACKENDS:
         try:
@@ -392,23 +515,52 @@ def export_line(cfg: Mapping[str, Any]) -> str:
             "--dynamic-size`)")
 
 
+# The project's Hub repos that a maintainer has published (README: "publish table"): none yet,
+# as the machines that build attnzoo cannot reach the Hub. Add a repo once its upload is done,
+# then regenerate MODEL_CARDS.md and the table (python scripts/make_model_cards.py).
+PUBLISHED_REPOS: frozenset = frozenset()
+
+
 def weights_source(tag: str) -> str:
-    """Where ``pretrained=True`` gets tag ``tag``'s weights, in a sentence."""
+    """Where ``pretrained=True`` gets tag ``tag``'s weights, in a sentence; the project's repos
+    that are not in :data:`PUBLISHED_REPOS` are said to be published later."""
     import timm
     cfg = timm.get_pretrained_cfg(tag)
     if cfg is None or not cfg.tag:
         return "no pretrained tag"
-    if cfg.hf_hub_id and cfg.hf_hub_id == hub_repo(tag):
-        return (f"Hub repo {cfg.hf_hub_id}, where `attnzoo publish` puts the official "
-                f"checkpoint ({cfg.origin_url}) converted")
+    home = hub_repo(tag)
+    if cfg.hf_hub_id and cfg.hf_hub_id == home:
+        if home in PUBLISHED_REPOS:
+            return (f"Hub repo {home}: the official checkpoint ({cfg.origin_url}) converted by "
+                    "`attnzoo publish`")
+        return (f"Hub repo {home}, to be published with the official checkpoint "
+                f"({cfg.origin_url}) converted by `attnzoo publish`; until then pretrained=True "
+                "fails naming the repo and the `attnzoo convert` path")
     if cfg.hf_hub_id:
-        return (f"Hub repo {cfg.hf_hub_id}, the authors' upload (converted on load); a "
-                f"timm-native copy: {hub_repo(tag)}")
+        copy = (f"a timm-native copy: {home}" if home in PUBLISHED_REPOS else
+                f"a timm-native copy is to be published as {home}, and the tag loads "
+                f"{cfg.hf_hub_id} until it is pointed at the copy")
+        return f"Hub repo {cfg.hf_hub_id}, the authors' upload (converted on load); {copy}"
     if cfg.url:
         return f"URL {cfg.url}"
     if cfg.file:
         return f"file overlay only ({cfg.file})"
     return f"none downloadable: the official weights are at {cfg.origin_url}"
+
+
+def backends_lines(arch: str, facts: Mapping[str, Any]) -> Union[str, list]:
+    """The card's backends: per attnzoo op the model runs, each backend that runs its calls or
+    why it never does (``facts['backends']``, from the op registry), then where each backend
+    runs; a sentence for a model without attnzoo ops."""
+    if not facts["ops"]:
+        return "none needed (no attnzoo op: plain PyTorch)"
+    lines = [f"`{op}`: " + "; ".join(
+        f"{name}: {'runs it' if reason is None else 'no, ' + reason}"
+        for name, reason in facts["backends"][op].items()) for op in facts["ops"]]
+    where = "; ".join(f"{name}: {text}" for name, text in backends.RUNS_ON.items())
+    return lines + [f"{where}. `auto` picks, per call, the fastest of them that runs it (the "
+                    "cuda kernels only on GPU architectures where they were verified: README, "
+                    f"\"Attention backends\"); `attnzoo info {arch}` tries each on your machine"]
 
 
 def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str = "",
@@ -440,7 +592,14 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
     if paper_id:
         details["Papers"] = {cfg.get("paper_name", paper_id):
                              f"https://arxiv.org/abs/{paper_id.split(':')[-1]}"}
-    if tag and "in1k" in tag:
+    n = model.num_classes
+    label_fields, labels = class_names(model, (evaluation or {}).get("classes"))
+    if n != 1000:  # whatever the tag says, this head was not trained on ImageNet-1k's classes
+        names = label_fields.get("label_names")
+        shown = (", ".join(names[:10]) + (", ..." if n > 10 else "") if names
+                 else f"no names (LABEL_0 to LABEL_{n - 1})")
+        details["Classes"] = f"{n}, a head of its own (not ImageNet-1k's 1000 classes): {shown}"
+    elif tag and "in1k" in tag:
         details["Dataset"] = "ImageNet-1k"
         if "in22k" in tag:
             details["Pretrain Dataset"] = "ImageNet-22k"
@@ -448,15 +607,11 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         details["Original"] = cfg["origin_url"]
     details["Weights"] = weights or (weights_source(name) if tag else (
         "none published; see the family's documentation for initialising from other weights"))
-    details["Attention backends"] = (
-        f"attnzoo ops {', '.join(facts['ops'])}: the torch reference runs them on any device; "
-        "which other backends can (natten, cuda) is in attnzoo's README, and `attnzoo info "
-        f"{arch}` tries each on your machine" if facts["ops"] else
-        "none needed (no attnzoo op: plain PyTorch)")
+    details["Attention backends"] = backends_lines(arch, facts)
     details["ONNX export"] = export_line(cfg)
     if throughput:
         details["Throughput"] = throughput
-    details["Labels"] = class_names(model, (evaluation or {}).get("classes"))[1]
+    details["Labels"] = labels
     load = f"hf-hub:{repo_id}" if repo_id else name
     usage = ("With timm:\n\n```python\nimport timm\nimport torch\n\n"
              "import attnzoo  # registers attnzoo's models with timm: before create_model\n\n"
@@ -466,10 +621,12 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
              "with torch.no_grad():\n"
              "    logits = model(transform(image).unsqueeze(0))  # image: a PIL image\n```\n\n"
              + transformers_usage(arch, repo_id or (hub_repo(name) if tag else "")))
-    rows = ["| | ImageNet-1k top-1 | top-5 | source |", "|---|---|---|---|"]
+    rows = [f"| | {'ImageNet-1k ' if n == 1000 else ''}top-1 | top-5 | source |",
+            "|---|---|---|---|"]
     if arch in PAPER_TOP1:
         top1, where = PAPER_TOP1[arch]
-        rows.append(f"| paper | {top1} | | {where} |")
+        rows.append(f"| paper | {top1} | | {where}"
+                    f"{'' if n == 1000 else ' (ImageNet-1k, the architecture trained there)'} |")
     if evaluation:
         rows.append(f"| measured | {evaluation['top1']:.2f} | {evaluation['top5']:.2f} | "
                     f"`attnzoo publish --eval-dir` on {evaluation['images']} images |")
@@ -609,7 +766,8 @@ def class_names(model: torch.nn.Module,
 
 
 def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, Any],
-                     title: str, classes: Optional[Sequence[str]] = None) -> Path:
+                     title: str, classes: Optional[Sequence[str]] = None,
+                     model_args: Optional[Mapping[str, Any]] = None) -> Path:
     """Write ``model`` as a timm Hub folder: timm's ``save_for_hf`` (``model.safetensors``,
     ``config.json`` with ``architecture``, ``num_classes``, ``pretrained_cfg``, the label names
     :func:`class_names` gives for ``classes``) and ``README.md`` from ``card``. timm loads it
@@ -617,14 +775,17 @@ def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, A
     ``pretrained_cfg`` is its image processor's config too).
 
     ``config.json``'s ``model_args`` holds exactly the constructor arguments that differ from
-    the architecture's defaults (``in_chans`` where not 3), whatever timm version writes it:
-    never ``num_classes`` (its top-level value rules, and transformers' TimmWrapper passes it
+    the architecture's defaults, whatever timm version writes it: ``model_args`` (those the
+    model was built with, :func:`load_checkpoint_model`'s) and ``in_chans`` where not 3; never
+    ``num_classes`` (its top-level value rules, and transformers' TimmWrapper passes it
     separately). The source cfg's ``notes`` (how to obtain and convert the official weights)
     are dropped: the folder holds them converted."""
     from timm.models import save_for_hf
     out = check_out_dir(out)
     in_chans = _in_chans(model)
-    model_args = {"in_chans": in_chans} if in_chans != 3 else {}
+    model_args = {k: v for k, v in (model_args or {}).items() if k != "num_classes"}
+    if in_chans != 3:
+        model_args["in_chans"] = in_chans
     save_for_hf(model, out, model_config=class_names(model, classes)[0],
                 model_args=model_args or None, safe_serialization=True)
     config_path = out / "config.json"
@@ -695,12 +856,13 @@ def publish_table() -> str:
     for tag in list_models(pretrained=True):
         cfg = timm.get_pretrained_cfg(tag)
         arch = tag.split(".", 1)[0]
+        state = "published" if hub_repo(tag) in PUBLISHED_REPOS else "to be published"
         if cfg.hf_hub_id == hub_repo(tag):
             source = f"the official {arch} checkpoint linked from {cfg.origin_url}"
-            repo = cfg.hf_hub_id
+            repo = f"{cfg.hf_hub_id} ({state})"
         else:
             source = f"`{cfg.hf_hub_filename}` of https://huggingface.co/{cfg.hf_hub_id}"
-            repo = f"{hub_repo(tag)} (copy; the tag loads {cfg.hf_hub_id})"
+            repo = f"{hub_repo(tag)} (a copy, {state}; the tag loads {cfg.hf_hub_id})"
         rows.append(f"| `{tag}` | {repo} | {source} | `attnzoo publish {tag} CHECKPOINT "
                     f"--repo-id {hub_repo(tag)} --eval-dir IMAGENET_VAL` |")
     return "\n".join(rows) + "\n"

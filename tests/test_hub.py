@@ -23,10 +23,12 @@ from PIL import Image
 
 import attnzoo
 from attnzoo import cli, hub
+from attnzoo.models import model_family
 from checkpoint_layouts import (nat_to_official, nest, qna_official_manifest, san_to_official,
                                 san_training_checkpoint, write_flax_checkpoint)
 from hub_cache import offline_hf_cache, write_hf_cache
 from hub_server import HubServer
+from tiny_models import quest_vit
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = ROOT / "scripts" / "model_card_facts.json"
@@ -176,15 +178,17 @@ def _image_folder(root: Path):
 
 
 def test_train_checkpoint_publishes_the_weights_asked_for(tmp_path, capsys):
-    """A train.py checkpoint (10 classes, with EMA): its non-EMA weights by default, the EMA
-    ones with --use-ema; --eval-dir's top-1 equals a count of the model's own answers."""
+    """A train.py checkpoint (3 classes, with EMA): its non-EMA weights by default, the EMA
+    ones with --use-ema; --eval-dir's top-1 equals a count of the model's own answers, and its
+    class folders name the classes."""
     name = "quest_vit_tiny_patch16_224"
     checkpoint, out = tmp_path / "checkpoint-3.pth.tar", tmp_path / "out"
-    _train_checkpoint(checkpoint, name, num_classes=10)
+    _train_checkpoint(checkpoint, name, num_classes=3)
     saved = torch.load(checkpoint, weights_only=False)
-    model, source = hub.load_checkpoint_model(name, checkpoint)
+    model, source, model_args, from_args = hub.load_checkpoint_model(name, checkpoint)
     assert source == ("state_dict (non-EMA weights) of checkpoint-3.pth.tar, epoch 3; it also "
                       "holds state_dict_ema")
+    assert from_args == "model arguments num_classes=3" and model_args == {}
     _assert_state_dict(model, saved["state_dict"])
 
     images = _image_folder(tmp_path / "images")
@@ -196,7 +200,7 @@ def test_train_checkpoint_publishes_the_weights_asked_for(tmp_path, capsys):
     assert published.keys() == saved["state_dict_ema"].keys()
     assert all(torch.equal(published[k], v) for k, v in saved["state_dict_ema"].items())
     config = json.loads((out / "config.json").read_text())
-    assert config["num_classes"] == 10 and "label_names" not in config
+    assert config["num_classes"] == 3 and config["label_names"] == ["cls_a", "cls_b", "cls_c"]
     assert "model_args" not in config  # nothing but the classes differs from the defaults
     model.load_state_dict(saved["state_dict_ema"])
     hub.check_reload(model, out)  # what publish did before writing "logits identical"
@@ -217,14 +221,100 @@ def test_train_checkpoint_publishes_the_weights_asked_for(tmp_path, capsys):
     assert f"| measured | {top1:.2f} |" in (out / "README.md").read_text()
 
 
+def test_a_model_whose_stem_is_not_three_channel_publishes_and_reloads_identically(
+        tmp_path, capsys):
+    """A 1-channel model (train.py --in-chans 1; its pretrained cfg still says 3 channels, as
+    timm leaves it): publish checks, measures and reloads it on 1-channel images, and
+    config.json's model_args says in_chans, so local-dir: rebuilds the same model."""
+    name = "quest_vit_tiny_patch16_224"
+    checkpoint, out = tmp_path / "last.pth.tar", tmp_path / "out"
+    _tiny_train_checkpoint(checkpoint, in_chans=1)
+    printed = _publish(capsys, name, checkpoint, "--repo-id", "me/gray", "--out", out,
+                       "--dry-run")
+    assert "logits of a random 1x32x32 image: finite" in printed
+    assert "logits identical to the source's" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_args"]["in_chans"] == 1 and config["num_classes"] == 3
+    model = hub.load_checkpoint_model(name, checkpoint).model
+    reloaded = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    x = torch.randn(2, 1, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(x), model(x))
+    assert hub.input_shape(reloaded) == (1, 32, 32)
+    assert set(hub.backends_here(model).values()) == {None}  # a forward on 1 channel: no op
+
+
+def _tiny_classifier(num_classes: int, favourite: int):
+    """A 32 px QUEST-ViT whose top-1 is always class ``favourite``."""
+    model = quest_vit(num_classes=num_classes)
+    model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (3, 32, 32)}
+    with torch.no_grad():
+        model.head.bias[favourite] = 1e3
+    return model
+
+
+def test_evaluate_scores_imagenet_synset_folders_against_their_imagenet_index(tmp_path):
+    """A part of ImageNet val (2 synset folders, sorted indices 0 and 1) on a 1000-class head
+    that always answers the second folder's ImageNet index: half the images are right (the
+    folders' own indices would give 0%)."""
+    synsets = timm.data.ImageNetInfo().label_names()
+    for synset in (synsets[5], synsets[700]):
+        (tmp_path / synset).mkdir()
+        Image.new("RGB", (40, 40), (90, 20, 200)).save(tmp_path / synset / "0.png")
+    result = hub.evaluate(_tiny_classifier(1000, 700), tmp_path)
+    assert result["top1"] == 50.0
+    assert result["classes"] == [synsets[5], synsets[700]] and result["images"] == 2
+
+
+def test_evaluate_takes_other_folders_only_as_the_heads_classes(tmp_path):
+    """Folders that are not ImageNet synsets: exactly one per class of the head, scored by
+    their sorted order; else a one-line ValueError naming both counts (a top-1 of 3 folders on
+    a 1000- or 4-class head would compare unrelated indices)."""
+    _image_folder(tmp_path)  # cls_a, cls_b, cls_c, two images each
+    with pytest.raises(ValueError, match=(
+            r"^--eval-dir '.*' has 3 class folders \(cls_a, cls_b, cls_c\) and 6 images; the "
+            r"1000-class head needs an ImageFolder with exactly 1000 class folders, in the "
+            r"head's order when sorted or ImageNet-1k synset folders [^\n]*\)$")):
+        hub.evaluate(_tiny_classifier(1000, 0), tmp_path)
+    with pytest.raises(ValueError, match=r"has 3 class folders .* the 4-class head needs an "
+                                         r"ImageFolder with exactly 4 class folders, in the "
+                                         r"head's order when sorted$"):
+        hub.evaluate(_tiny_classifier(4, 0), tmp_path)
+    result = hub.evaluate(_tiny_classifier(3, 2), tmp_path)  # always cls_c
+    assert result["top1"] == 100 * 2 / 6 and result["top5"] == 100.0
+    assert result["classes"] == ["cls_a", "cls_b", "cls_c"]
+
+
+def test_a_card_for_a_head_that_is_not_imagenets_says_what_classes_it_has():
+    """A 4-class nat_mini.in1k (fine-tuned on other data): no ImageNet-1k dataset in the card
+    or its front matter; its classes, named by --eval-dir's folders or not at all."""
+    model = timm.create_model("nat_mini.in1k", num_classes=4, device="meta")
+    facts = json.loads(FACTS.read_text())["models"]["nat_mini"]
+    flowers = {"classes": ["anemone", "bluebell", "crocus", "daisy"], "top1": 50.0,
+               "top5": 100.0, "images": 8}
+    for evaluation, shown in ((flowers, "anemone, bluebell, crocus, daisy"),
+                              (None, "no names (LABEL_0 to LABEL_3)")):
+        card = hub.model_card(model, facts, repo_id="me/flowers", evaluation=evaluation)
+        text = hub.readme(card, "flowers")
+        assert "datasets" not in yaml.safe_load(text.split("---\n")[1])
+        assert "ImageNet-1k**" not in text and "Dataset" not in card["details"]
+        assert card["details"]["Classes"] == (
+            f"4, a head of its own (not ImageNet-1k's 1000 classes): {shown}")
+    assert "| | top-1 | top-5 | source |" in text
+    model = timm.create_model("nat_mini.in1k", device="meta")
+    card = hub.model_card(model, facts)
+    assert card["details"]["Dataset"] == "ImageNet-1k" and "Classes" not in card["details"]
+
+
 def _one_line_error(capsys, argv) -> str:
+    """The one line `attnzoo publish ARGV` writes to stderr (all it writes there), status 2."""
     with pytest.raises(SystemExit) as info:
         cli.main(["publish", *map(str, argv)])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("attnzoo publish: error: ")
-    return err.strip().splitlines()[-1]
+    assert err.startswith("attnzoo publish: error: ") and err.count("\n") == 1 \
+        and err.endswith("\n"), err
+    return err.rstrip("\n")
 
 
 def test_refusals_are_one_line_before_anything_is_written(tmp_path, capsys):
@@ -252,6 +342,47 @@ def test_refusals_are_one_line_before_anything_is_written(tmp_path, capsys):
     assert "exists and is not an empty folder" in line
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert not (tmp_path / "name").exists()
+
+
+def _tiny_train_checkpoint(path, name="quest_vit_tiny_patch16_224", in_chans=None):
+    """A train.py checkpoint of a 32 px, 2-block QUEST-ViT with 3 classes (--model-kwargs,
+    --num-classes and --in-chans in its args)."""
+    kwargs = dict(img_size=32, patch_size=8, embed_dim=24, depth=2, num_heads=3)
+    state_dict = _random_state_dict(name, num_classes=3, in_chans=in_chans or 3, **kwargs)
+    args = argparse.Namespace(model=name, num_classes=3, in_chans=in_chans, model_kwargs=kwargs)
+    torch.save({"epoch": 0, "state_dict": state_dict, "args": args}, path)
+
+
+def test_a_refusal_without_dry_run_uploads_nothing(tmp_path, capsys, monkeypatch):
+    """A folder whose reload differs from the source (its weights changed once written) stops
+    publish before the upload: the Hub server sees no request, no repo exists; the same run
+    with the folder intact creates the repo (so the refusal, not the setup, kept it away)."""
+    import huggingface_hub.constants as constants
+    checkpoint = tmp_path / "last.pth.tar"
+    _tiny_train_checkpoint(checkpoint)
+    write = hub.write_hub_folder
+
+    def write_then_change(model, out, *args, **kwargs):
+        folder = write(model, out, *args, **kwargs)
+        weights = safetensors.torch.load_file(folder / "model.safetensors")
+        weights["head.bias"] += 1e-3
+        safetensors.torch.save_file(weights, folder / "model.safetensors")
+        return folder
+
+    with HubServer() as server:
+        for name, value in (("ENDPOINT", server.endpoint), ("HF_HUB_OFFLINE", False),
+                            ("HF_HUB_DISABLE_XET", True)):
+            monkeypatch.setattr(constants, name, value, raising=False)
+        monkeypatch.setenv("HF_TOKEN", server.token)
+        with monkeypatch.context() as patch:
+            patch.setattr(hub, "write_hub_folder", write_then_change)
+            line = _one_line_error(capsys, ["quest_vit_tiny_patch16_224", checkpoint,
+                                            "--repo-id", "org/refused", "--out", tmp_path / "a"])
+        assert "logits differ from the source's" in line and "nothing uploaded" in line
+        assert server.requests == [] and server.repos == {}
+        _publish(capsys, "quest_vit_tiny_patch16_224", checkpoint, "--repo-id", "org/refused",
+                 "--out", tmp_path / "b")
+        assert set(server.repos) == {"org/refused"}
 
 
 def test_upload_round_trip_through_a_hub_server(tmp_path):
@@ -363,10 +494,52 @@ def test_every_pretrained_tag_has_a_hub_home_in_the_project_namespace():
         else:  # NAT / DiNAT: the authors' repos; the copies' home is in the table
             assert cfg.hf_hub_id.startswith("shi-labs/")
     table = hub.publish_table()
+    assert not hub.PUBLISHED_REPOS  # nothing is published yet: every row and source says so
+    assert "| `nat_mini.in1k` | attnzoo/nat_mini.in1k (a copy, to be published; the tag loads " \
+        "shi-labs/nat-mini-in1k-224) |" in table
+    assert "| `san10_pairwise.in1k` | attnzoo/san10_pairwise.in1k (to be published) |" in table
+    assert hub.weights_source("nat_mini.in1k") == (
+        "Hub repo shi-labs/nat-mini-in1k-224, the authors' upload (converted on load); a "
+        "timm-native copy is to be published as attnzoo/nat_mini.in1k, and the tag loads "
+        "shi-labs/nat-mini-in1k-224 until it is pointed at the copy")
+    assert hub.weights_source("san10_pairwise.in1k").startswith(
+        "Hub repo attnzoo/san10_pairwise.in1k, to be published with the official checkpoint")
     readme = (ROOT / "README.md").read_text()
     assert table in readme, "README's publishing table is stale: python scripts/make_model_cards.py"
     for tag in tags:
         assert f"`attnzoo publish {tag} CHECKPOINT --repo-id {hub.hub_repo(tag)} " in table
+
+
+def test_cards_say_which_backends_run_each_op_from_the_registry():
+    """Per op the model's forward calls, each backend's machine-independent limit on those
+    calls (Backend.limits): NAT's rpb, which NATTEN >= 0.20 lacks, a kernel size beyond the
+    Triton kernels', ops NATTEN has not; gone when the model changes (no rpb: NATTEN runs it).
+    One block per stage: the calls' kinds are the registered models'."""
+    def backends_of(name, **kwargs):
+        facts = hub.measure_facts(timm.create_model(name, device="meta", **kwargs))
+        return facts["backends"], hub.backends_lines(name, facts)
+
+    na, lines = backends_of("nat_mini", depths=(1, 1, 1, 1))
+    assert na == {"na2d": {"torch": None, "cuda": None,
+                           "natten": "NATTEN >= 0.20 has no relative positional bias (rpb)"}}
+    line = ("`na2d`: torch: runs it; natten: no, NATTEN >= 0.20 has no relative positional "
+            "bias (rpb); cuda: runs it")
+    assert lines[0] == line and "`attnzoo info nat_mini` tries each on your machine" in lines[-1]
+    cards = (ROOT / "MODEL_CARDS.md").read_text()
+    section = cards[cards.index("## nat_mini\n"):cards.index("## nat_small\n")]
+    assert f"- **Attention backends:**\n  - {line}\n" in section
+    na, _ = backends_of("nat_mini", depths=(1, 1, 1, 1), rel_pos_bias=False, kernel_size=15)
+    # the kernels' limits are declared in their module, which needs a usable Triton
+    beyond = "attnzoo's Triton NA kernels support kernel sizes up to 13, got (15, 15)"
+    assert na["na2d"] == {"torch": None, "natten": None,
+                          "cuda": None if attnzoo.kernels.triton_missing() else beyond}
+    san, lines = backends_of("san10_pairwise", depths=(1,) * 5)
+    assert list(san) == ["san_subtraction", "san_subtraction2", "san_aggregation"]
+    assert san["san_aggregation"] == {"torch": None, "natten": "NATTEN has no san_aggregation",
+                                      "cuda": None}
+    assert len(lines) == 4  # one per op, then where each backend runs
+    qna, _ = backends_of("qna_vit_tiny", qna_depths=(1, 1, 1, 0), lsa_depths=(0, 0, 1, 1))
+    assert qna["qna2d"]["natten"] == "NATTEN cannot express QnA"
 
 
 def test_model_cards_md_is_generated_from_the_facts_file():
@@ -375,6 +548,29 @@ def test_model_cards_md_is_generated_from_the_facts_file():
         "scripts/model_card_facts.json is stale: python scripts/make_model_cards.py --measure"
     assert (ROOT / "MODEL_CARDS.md").read_text() == hub.model_cards_markdown(facts), \
         "MODEL_CARDS.md is stale: python scripts/make_model_cards.py"
+
+
+def _smallest_of_each_family() -> set:
+    facts = json.loads(FACTS.read_text())["models"]
+    smallest = {}
+    for name in sorted(facts, key=lambda n: (facts[n]["gmacs"], n)):
+        smallest.setdefault(model_family(name), name)
+    return set(smallest.values())
+
+
+# Measuring all 28 models takes about 25 s on 2 cores: the default tier measures the smallest
+# model of each family (about 3 s), the slow tier the others.
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[pytest.mark.slow] * (name not in _smallest_of_each_family()))
+    for name in attnzoo.list_models()])
+def test_card_facts_are_what_the_model_measures(name):
+    """scripts/model_card_facts.json (GMACs, ops, backends on the cards) against
+    hub.measure_facts on the meta device: a stale figure fails here."""
+    want = json.loads(FACTS.read_text())["models"][name]
+    got = hub.measure_facts(timm.create_model(name, device="meta"))
+    assert {k: want.get(k) for k in got} == got, \
+        f"scripts/model_card_facts.json is stale: python scripts/make_model_cards.py " \
+        f"--measure --models {name}"
 
 
 def test_cli_info_names_sources_and_backends_here(capsys):

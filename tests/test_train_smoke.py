@@ -5,7 +5,9 @@ config: the config's optimizer, schedule, augmentation, mixup, loss and clipping
 timm's factories as train.py builds them (tests/timm_train.py), in train.py's loop (timm's
 ClassificationTask). The overrides are only sizes, epochs and the lr: the recipe's lr at its own
 global batch. The clean validation loss falls; timm's CheckpointSaver writes the checkpoints
-train.py writes; resuming one (train.py's ``--resume``) restores the model and optimizer exactly.
+train.py writes; resuming one (train.py's ``--resume``) restores the model and optimizer exactly;
+``attnzoo publish --dry-run`` takes one (the model built with its ``--model-kwargs``), and the
+folder it writes reloads through timm's ``local-dir:`` with the same validation logits.
 QUEST's DeiT-3 recipe hands phase 1's checkpoint to phase 2 the way its config says.
 
 With ``ATTNZOO_TIMM_CHECKOUT`` set to a timm clone, the ``slow`` tier runs that clone's own
@@ -13,6 +15,7 @@ train.py from each of these configs (``python -m attnzoo timm train.py --config 
 epoch and a resumed second one.
 """
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +23,7 @@ import sys
 import numpy as np
 import PIL.ImageOps
 import pytest
+import timm
 import torch
 from PIL import Image
 from timm.data import create_dataset
@@ -27,6 +31,7 @@ from timm.task import ClassificationTask, resume_task_checkpoint
 from timm.utils import CheckpointSaver, dispatch_clip_grad, random_seed
 
 import timm_train
+from attnzoo import cli
 
 CLASSES = 4
 # the recipe's peak lr, at its global batch (tests/test_train_configs.py checks the configs give it)
@@ -128,8 +133,8 @@ def _evaluate(model, loader):
 
 @pytest.mark.parametrize("config_name", sorted(SMOKE, key=list(timm_train.TINY).index),
                          ids=lambda n: n.split("_")[0])
-def test_smallest_model_trains_from_its_config_and_resumes_from_its_checkpoint(
-        config_name, image_folder, tmp_path):
+def test_smallest_model_trains_from_its_config_resumes_and_publishes_its_checkpoint(
+        config_name, image_folder, tmp_path, capsys):
     args, model, train, val = _setup(config_name, image_folder, lr=SMOKE[config_name])
     _, loss_before = _evaluate(model, val)
     task, optimizer, epochs, updates = _train(args, model, train)
@@ -158,6 +163,18 @@ def test_smallest_model_trains_from_its_config_and_resumes_from_its_checkpoint(
         for key, value in entry.items():
             assert torch.equal(torch.as_tensor(fresh_state["state"][i][key]),
                                torch.as_tensor(value)), (i, key)
+
+    out = tmp_path / "published"
+    assert cli.main(["publish", args.model, str(tmp_path / "model_best.pth.tar"), "--repo-id",
+                     "me/x", "--out", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "logits identical to the source's" in printed
+    assert f"model arguments num_classes={CLASSES}" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_args"] == json.loads(json.dumps(args.model_kwargs))
+    assert config["pretrained_cfg"]["input_size"] == [3, 32, 32]  # train.py's data config
+    reloaded = timm.create_model(f"local-dir:{out}", pretrained=True)
+    assert torch.equal(_evaluate(reloaded, val)[0], logits)
 
 
 def test_deit3_phase2_loads_phase1_checkpoint_as_its_config_says(image_folder, tmp_path):

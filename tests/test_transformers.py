@@ -10,8 +10,10 @@ tests/test_hub.py checks through timm's `hf-hub:`. The oracle is timm: its pixel
 (`resolve_data_config` + `create_transform`), its logits, its class names (`ImageNetInfo` for an
 ImageNet head, the `label_names` it reads from config.json for another head).
 """
+import argparse
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from timm.data import ImageNetInfo, create_transform, infer_imagenet_subset, res
 from transformers import AutoImageProcessor, AutoModelForImageClassification, pipeline
 
 import attnzoo
+import timm_train
 from attnzoo import cli, hub
 from attnzoo.models import model_family
 
@@ -136,6 +139,32 @@ def test_transformers_runs_the_published_folder_with_timms_pixels_logits_and_cla
     top = want[0].softmax(-1).topk(3)
     assert [a["label"] for a in answer] == [names[i] for i in top.indices]
     assert [a["score"] for a in answer] == pytest.approx(top.values.tolist(), rel=1e-5)
+
+
+# Every family in the floor tier too: the config.json publish writes (model_args of a run's
+# --model-kwargs, lists where they were tuples) must build the model in timm 1.0.29's local-dir:
+# and transformers 4.57's TimmWrapper. Tiny widths at 32 px: about 2 s a family.
+@pytest.mark.floor
+@pytest.mark.parametrize("name", list(timm_train.TINY), ids=lambda n: n.split("_")[0])
+def test_a_tiny_train_checkpoint_of_every_family_publishes_a_folder_timm_and_transformers_load(
+        name, tmp_path):
+    kwargs = timm_train.TINY[name]
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=3, **kwargs).eval()
+    checkpoint, out = tmp_path / "last.pth.tar", tmp_path / "out"
+    args = argparse.Namespace(model=name, num_classes=3, model_kwargs=kwargs, img_size=32)
+    torch.save({"epoch": 0, "state_dict": model.state_dict(), "args": args}, checkpoint)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert cli.main(["publish", name, str(checkpoint), "--repo-id", f"{ORG}/tiny", "--out",
+                         str(out), "--dry-run"]) == 0
+    assert "logits identical to the source's" in printed.getvalue()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x)
+        assert torch.equal(timm.create_model(f"local-dir:{out}", pretrained=True).eval()(x), want)
+        wrapped = AutoModelForImageClassification.from_pretrained(out).eval()
+        torch.testing.assert_close(wrapped(pixel_values=x).logits, want)  # see the test above
+    assert wrapped.config.model_args == json.loads(json.dumps(kwargs))
 
 
 def test_each_kind_of_head_gets_its_class_names():

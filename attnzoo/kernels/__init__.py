@@ -9,7 +9,9 @@ code shares:
 **Support.** A family declares what it supports as data, a :class:`KernelLimits` (dtypes,
 largest head dim, smallest compute capability), and answers "can you run this call?" with
 ``LIMITS.reasons(device, dtype, head_dims, shared_memory)`` plus its own reasons (kernel sizes,
-...): every reason it refuses, empty if none (xformers' ``not_supported_reasons()``). The
+...): every reason it refuses, empty if none (xformers' ``not_supported_reasons()``); its
+``call_reasons`` are those the call alone decides on any machine (``LIMITS.call_reasons``:
+dtype, head dims; plus its own), which model cards state. The
 reasons common to every kernel are written once, in :meth:`KernelLimits.reasons`: Triton
 missing or too old, the device type (CUDA; CPU only under Triton's interpreter), the device's
 compute capability, and the shared memory per block of the family's smallest configuration
@@ -153,6 +155,12 @@ class KernelLimits(NamedTuple):
                 reasons.append(f"{self.name} need {_kib(shared_memory)} of shared memory per "
                                f"block for this call; {device} ({info.name}) has "
                                f"{_kib(info.shared_memory)}")
+        return reasons + self.call_reasons(dtype, head_dims)
+
+    def call_reasons(self, dtype: torch.dtype, head_dims: Sequence[int]) -> List[str]:
+        """The reasons of :meth:`reasons` that the call alone decides, on any machine (its dtype,
+        its head dims): what a model card can say. Empty if none."""
+        reasons = []
         if dtype not in self.dtypes:
             reasons.append(f"{self.name} support {', '.join(map(str, self.dtypes))}, not {dtype}")
         if head_dims and max(head_dims) > self.max_head_dim:

@@ -40,9 +40,9 @@ from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length
                      program_tile, rank_tilings, region_block, store_rows, tile_positions,
                      to_base2, to_source)
 
-__all__ = ["NeighborhoodAttention", "na_fused", "support", "not_supported_reasons", "configs",
-           "shared_memory", "capture_launches", "Config", "LIMITS", "KERNELS", "INTERPRETED",
-           "MAX_KERNEL_SIZE", "MAX_HEAD_DIM", "DTYPES"]
+__all__ = ["NeighborhoodAttention", "na_fused", "support", "not_supported_reasons",
+           "call_reasons", "configs", "shared_memory", "capture_launches", "Config", "LIMITS",
+           "KERNELS", "INTERPRETED", "MAX_KERNEL_SIZE", "MAX_HEAD_DIM", "DTYPES"]
 
 MAX_KERNEL_SIZE = 13
 MAX_HEAD_DIM = 128
@@ -392,10 +392,21 @@ def not_supported_reasons(device: str, dtype: torch.dtype, head_dim: int, v_dim:
     ks = (1,) * (2 - len(kernel_size)) + tuple(kernel_size)
     reasons = LIMITS.reasons(device, dtype, (head_dim, v_dim),
                              _least_shared_memory((head_dim, v_dim), dtype, ks, backward))
+    return reasons + _kernel_size_reasons(kernel_size)
+
+
+def call_reasons(dtype: torch.dtype, head_dim: int, v_dim: int,
+                 kernel_size: Tuple[int, ...]) -> List[str]:
+    """The reasons of :func:`not_supported_reasons` that the call alone decides, on any
+    machine (dtype, head dims, kernel size), empty if none."""
+    return LIMITS.call_reasons(dtype, (head_dim, v_dim)) + _kernel_size_reasons(kernel_size)
+
+
+def _kernel_size_reasons(kernel_size: Tuple[int, ...]) -> List[str]:
     if any(K > MAX_KERNEL_SIZE for K in kernel_size):
-        reasons.append(f"{LIMITS.name} support kernel sizes up to {MAX_KERNEL_SIZE}, got "
-                       f"{tuple(kernel_size)}")
-    return reasons
+        return [f"{LIMITS.name} support kernel sizes up to {MAX_KERNEL_SIZE}, got "
+                f"{tuple(kernel_size)}"]
+    return []
 
 
 def support(device: str, dtype: torch.dtype, head_dim: int, v_dim: int,

@@ -33,7 +33,8 @@ import triton.language as tl
 from . import KernelLimits, launch_on_device
 from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions, to_base2
 
-__all__ = ["QnAttention", "qna_fused", "support", "not_supported_reasons", "LIMITS"]
+__all__ = ["QnAttention", "qna_fused", "support", "not_supported_reasons", "call_reasons",
+           "LIMITS"]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -232,6 +233,12 @@ def not_supported_reasons(device: str, dtype: torch.dtype, head_dim: int) -> Lis
     """Every reason these kernels cannot run such a call on ``device`` ("cuda:1", "cpu"), empty
     if none. They keep no tile of keys in shared memory, so no shared-memory bound applies."""
     return LIMITS.reasons(device, dtype, (head_dim,))
+
+
+def call_reasons(dtype: torch.dtype, head_dim: int) -> List[str]:
+    """The reasons of :func:`not_supported_reasons` that the call alone decides, on any
+    machine (dtype, head dim), empty if none."""
+    return LIMITS.call_reasons(dtype, (head_dim,))
 
 
 def support(device: str, dtype: torch.dtype, head_dim: int) -> Optional[str]:

@@ -35,8 +35,9 @@ import triton.language as tl
 from . import KernelLimits, launch_on_device
 from .tiling import pow2, program_tile, tile_positions
 
-__all__ = ["SANSubtraction", "SANAggregation", "support", "not_supported_reasons", "LIMITS",
-           "san_subtraction_fused", "san_subtraction2_fused", "san_aggregation_fused"]
+__all__ = ["SANSubtraction", "SANAggregation", "support", "not_supported_reasons",
+           "call_reasons", "LIMITS", "san_subtraction_fused", "san_subtraction2_fused",
+           "san_aggregation_fused"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LIMITS = KernelLimits("attnzoo's Triton SAN kernels", DTYPES, max_head_dim=0)
@@ -253,6 +254,12 @@ def not_supported_reasons(device: str, dtype: torch.dtype) -> List[str]:
     ``dtype``, empty if none. Any footprint, dilation, stride and padding mode the ops accept
     is supported, and they hold nothing in shared memory."""
     return LIMITS.reasons(device, dtype, ())
+
+
+def call_reasons(dtype: torch.dtype) -> List[str]:
+    """The reasons of :func:`not_supported_reasons` that the call alone decides, on any
+    machine (its dtype), empty if none."""
+    return LIMITS.call_reasons(dtype, ())
 
 
 def support(device: str, dtype: torch.dtype) -> Optional[str]:

@@ -416,18 +416,26 @@ def _device_type(call: NACall) -> str:
 _NATTEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _natten_support(call: NACall) -> Optional[str]:
-    module, api = _natten()
-    if module is None:
-        return api
-    if api == "legacy":
-        return None
+def _natten_limits(call: NACall) -> Optional[str]:
+    """What NATTEN >= 0.20 (the one that builds against today's torch) never runs."""
     if call.rpb:
         return "NATTEN >= 0.20 has no relative positional bias (rpb)"
     if call.kernel_size and min(call.kernel_size) < 2:
         return f"NATTEN >= 0.20 needs kernel_size >= 2, got {call.kernel_size}"
     if call.dtype not in _NATTEN_DTYPES:
         return f"NATTEN supports {', '.join(map(str, _NATTEN_DTYPES))}, not {call.dtype}"
+    return None
+
+
+def _natten_support(call: NACall) -> Optional[str]:
+    module, api = _natten()
+    if module is None:
+        return api
+    if api == "legacy":
+        return None
+    limit = _natten_limits(call)
+    if limit is not None:
+        return limit
     if _device_type(call) == "cpu":
         # NATTEN >= 0.20 on CPU runs PyTorch's unfused FlexAttention: forward only, and the
         # head dim must be a power of two.
@@ -473,6 +481,16 @@ def _cuda_support(call: NACall) -> Optional[str]:
     from ..kernels import neighborhood as kernel
     return kernel.support(call.device, call.dtype, call.head_dim, call.v_dim or call.head_dim,
                           call.kernel_size, backward=call.grad)
+
+
+def _cuda_limits(call: NACall) -> Optional[str]:
+    """The kernels' limits that the call alone decides; they are declared in the kernel
+    module, which needs Triton: without it they go unchecked here (``support`` refuses)."""
+    if kernels.triton_missing() is not None:
+        return None
+    from ..kernels import neighborhood as kernel
+    return "; ".join(kernel.call_reasons(call.dtype, call.head_dim, call.v_dim or call.head_dim,
+                                         call.kernel_size)) or None
 
 
 def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):
@@ -557,8 +575,10 @@ for _n in (1, 2):
     backends.register_op(
         f"na{_n}d", key_type=NACall, macs=_na_macs, examples=_examples(_n), cases=_cases(_n),
         export=na_export, backends={"torch": backends.Backend(na_reference),
-                  "natten": backends.Backend(_na_natten, _natten_support),
-                  "cuda": backends.Backend(_na_cuda, _cuda_support, _kernels_trusted)})
+                  "natten": backends.Backend(_na_natten, _natten_support,
+                                             limits=_natten_limits),
+                  "cuda": backends.Backend(_na_cuda, _cuda_support, _kernels_trusted,
+                                           _cuda_limits)})
 backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear)
 
 

@@ -376,8 +376,12 @@ class QnACall(NamedTuple):
     head_dim: int = 0
 
 
+def _natten_limits(call: QnACall) -> Optional[str]:
+    return "NATTEN cannot express QnA"
+
+
 def _natten_support(call: QnACall) -> Optional[str]:
-    return ("NATTEN cannot express QnA: its neighborhood attention has one query per pixel and "
+    return (f"{_natten_limits(call)}: its neighborhood attention has one query per pixel and "
             "windows shifted inside the map, while QnA's learned queries are shared by every "
             "window, its out-of-bounds keys are excluded, its windows can be strided and its "
             "per-query results are weighted by window_weights and summed")
@@ -389,6 +393,15 @@ def _cuda_support(call: QnACall) -> Optional[str]:
         return reason
     from ..kernels import qna as kernel
     return kernel.support(call.device, call.dtype, call.head_dim)
+
+
+def _cuda_limits(call: QnACall) -> Optional[str]:
+    """The kernels' limits that the call alone decides (unchecked without Triton, which their
+    module needs; ``support`` then refuses)."""
+    if kernels.triton_missing() is not None:
+        return None
+    from ..kernels import qna as kernel
+    return "; ".join(kernel.call_reasons(call.dtype, call.head_dim)) or None
 
 
 def _qna_cuda(logits, v, rpb, window_weights, kernel_size, stride, sum_queries):
@@ -466,8 +479,10 @@ def _cases(device, dtype):
 backends.register_op(
     "qna2d", key_type=QnACall, macs=_qna_macs, examples=_examples, cases=_cases,
     export=qna2d_export, backends={"torch": backends.Backend(qna2d_reference),
-              "natten": backends.Backend(qna2d_reference, _natten_support),
-              "cuda": backends.Backend(_qna_cuda, _cuda_support, _kernels_trusted)})
+              "natten": backends.Backend(qna2d_reference, _natten_support,
+                                         limits=_natten_limits),
+              "cuda": backends.Backend(_qna_cuda, _cuda_support, _kernels_trusted,
+                                       _cuda_limits)})
 
 
 # --------------------------------------------------------------------------------------------

@@ -257,10 +257,17 @@ class SANCall(NamedTuple):
     grad: bool
 
 
+def _natten_limits(op: str):
+    def limits(call: SANCall) -> Optional[str]:
+        return f"NATTEN has no {op}"
+    return limits
+
+
 def _natten_support(op: str):
     def support(call: SANCall) -> Optional[str]:
-        return (f"NATTEN has no {op}: it implements (dot-product, softmax) neighborhood "
-                "attention only, not SAN's vector attention with reflection padding")
+        return (f"{_natten_limits(op)(call)}: it implements (dot-product, softmax) "
+                "neighborhood attention only, not SAN's vector attention with reflection "
+                "padding")
     return support
 
 
@@ -276,6 +283,15 @@ def _cuda_support(call: SANCall) -> Optional[str]:
         return reason
     from ..kernels import san as kernel
     return kernel.support(call.device, call.dtype)
+
+
+def _cuda_limits(call: SANCall) -> Optional[str]:
+    """The kernels' limits that the call alone decides (unchecked without Triton, which their
+    module needs; ``support`` then refuses)."""
+    if kernels.triton_missing() is not None:
+        return None
+    from ..kernels import san as kernel
+    return "; ".join(kernel.call_reasons(call.dtype)) or None
 
 
 def _cuda(op: str):
@@ -383,8 +399,10 @@ for _name, _impl, _macs in (("san_aggregation", aggregation_reference, _aggregat
         _name, key_type=SANCall, macs=_macs, examples=_examples(_name), cases=_cases(_name),
         export=aggregation_export if _name == "san_aggregation" else None,
         backends={"torch": backends.Backend(_impl),
-                  "natten": backends.Backend(_unreachable(_name, "natten"), _natten_support(_name)),
-                  "cuda": backends.Backend(_cuda(_name), _cuda_support, _kernels_trusted)})
+                  "natten": backends.Backend(_unreachable(_name, "natten"), _natten_support(_name),
+                                             limits=_natten_limits(_name)),
+                  "cuda": backends.Backend(_cuda(_name), _cuda_support, _kernels_trusted,
+                                           _cuda_limits)})
 
 
 # --------------------------------------------------------------------------------------------
