@@ -329,6 +329,10 @@ def main(argv=None) -> int:
     # 2. distinct launches per (row, dtype, kernel, arch): every config of the space
     jobs, rows = {}, {}  # compile key -> job; (row, kernel, arch) -> {dtype: compile keys}
     launched = {}  # (call, config) -> its launches
+    # per launch of a model (call, kernel, arch): its configurations' compile keys, the default
+    # (what runs untuned: under torch.compile, the interpreter) first
+    spaces: Dict[Tuple[str, str, int], List[List[str]]] = {}
+    described = {}  # (index in spaces, row, kernel, arch) -> (dtype, its configurations)
     for (label, dtype_name), row_calls in calls.items():
         torch.set_float32_matmul_precision(DTYPES[dtype_name][1])  # read at launch: tf32
         distinct = {_signature(call): call for call in row_calls}.values()
@@ -341,6 +345,9 @@ def main(argv=None) -> int:
                     space = kn.configs(kernel, tuple(call.q.shape[1:3]), call.kernel_size,
                                        call.dilation, head_dims, call.q.dtype,
                                        SHARED_LIMIT[arch])
+                    space_keys = spaces.setdefault((label, kernel, arch), [])
+                    space_keys.append([])
+                    described[len(space_keys) - 1, label, kernel, arch] = (dtype_name, space)
                     for config in space[:1] if args.quick else space:
                         if (id(call), config) not in launched:
                             launched[(id(call), config)] = call.launches(config)
@@ -353,6 +360,7 @@ def main(argv=None) -> int:
                         jobs[key] = (fn.__name__, src.signature, src.constants, src.attrs,
                                      options.__dict__, arch, bound, fn.__module__)
                         keys.add(key)
+                        space_keys[-1].append(key)
     # QnA's and SAN's launches: one configuration; no shared-memory bound but the arch's
     block_of = {}  # row label -> its BENCHMARKS.md block (NA's rows: "table")
     for family in families:
@@ -407,7 +415,7 @@ def main(argv=None) -> int:
         _save_results(saved, results)
 
     # 4. table (per row and kernel, the worst over dtypes and configurations) and verdict
-    failures, spilled, lines = 0, 0, {}
+    failures, spilled, skipped, lines = 0, 0, set(), {}
     for (label, kernel, arch), by_dtype in rows.items():
         if arch != archs[0]:
             continue
@@ -417,17 +425,35 @@ def main(argv=None) -> int:
             n_configs += len(got)
             errors = [r.error for r in got if r.error]
             over = [r for r in got if r.shared > SHARED_LIMIT[arch] or r.shared > r.bound]
-            spills = max((r.spills for r in got), default=0)
             failures += len(errors) + len(over)
+            # What can run: QnA's and SAN's one configuration; for NA the default (untuned:
+            # under torch.compile, the interpreter) and what the autotuner picks, which skips
+            # spilling configurations unless all spill (those skipped are counted apart).
+            runnable, skips = got, 0
+            if (label, kernel, arch) in spaces:
+                runnable = []
+                for i, space in enumerate(spaces[(label, kernel, arch)]):
+                    figures = [results[key] for key in space]
+                    can_run = figures if all(r.spills for r in figures) else figures[:1]
+                    runnable += can_run
+                    spilling = {key for key in space[1:] if results[key].spills}
+                    skips += len(spilling)
+                    if "(no model)" not in label:
+                        skipped |= spilling
+                    if any(r.spills for r in can_run) and "(no model)" not in label:
+                        dtype_name, configs = described[i, label, kernel, arch]
+                        print(f"spills: {label} {kernel} sm{arch} {dtype_name}: "
+                              + ", ".join(f"{c} {r.spills} B" for c, r in zip(configs, figures)))
+            spills = max((r.spills for r in runnable), default=0)
             if "(no model)" not in label:
-                spilled += sum(r.spills > 0 for r in got)
+                spilled += sum(r.spills > 0 for r in runnable)
             if errors:
                 cells.append(f"FAILED: {errors[0][:60]}")
                 continue
             shared = max(r.shared for r in got)
             cells.append(f"{max(r.regs for r in got)} / {spills} B / {shared / 1024:.0f} KiB "
                          f"({100 * shared / SHARED_LIMIT[arch]:.0f}%)"
-                         + (" OVER" if over else ""))
+                         + (" OVER" if over else "") + (f" ({skips} skipped)" if skips else ""))
         lines.setdefault(block_of.get(label, "table"), []).append(
             f"| {label} | {', '.join(by_dtype)} | {kernel} | {n_configs} | "
             + " | ".join(cells) + " |")
@@ -438,7 +464,9 @@ def main(argv=None) -> int:
     print("\n\n".join(tables.values()))
     failures += spilled
     verdict = (f"{len(jobs)} distinct compiles: "
-               + (f"{'no' if not spilled else spilled} spilling launch(es) of the models, "
+               + (f"{'no' if not spilled else spilled} spilling launch(es) of the models "
+                  f"({len(skipped)} distinct compiles of other autotune configurations spill: "
+                  "the autotuner skips them), "
                   f"{failures - spilled} failed compile(s) or shared memory over its arch's limit "
                   "or kernels.neighborhood.shared_memory's bound"))
     print(verdict)

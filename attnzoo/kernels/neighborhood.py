@@ -297,6 +297,7 @@ KERNELS = ("fwd", "dq", "dkdv")  # forward; backward: dQ (+ rpb), then dK and dV
 # quarter in exact fp32 (tl.dot on CUDA cores): larger ones spill registers, as do 2 warps
 # except on 16-bit pieces of 256 logits (scripts/compile_kernels.py).
 STAGES = (2, 1)
+SMALL_SHARED = 128 << 10  # under it: sm86 / sm89 (99 KiB per block); A100 163, H100 227
 TUNE_SLACK = 1.1
 MAX_LOGITS = 1024
 
@@ -371,8 +372,13 @@ def _configs(kernel, spatial, kernel_size, dilation, head_dims, dtype, exact_fp3
         return []
     (least, best), rest = ranked[0], ranked[1:2]
     warps = _warps(best, row_bytes, exact_fp32)
-    space = [Config(best, warps[0], STAGES[0]), Config(best, warps[1], STAGES[0]),
-             Config(best, warps[0], STAGES[1])]
+    stages = STAGES
+    if kernel == "dkdv" and shared_limit is not None and shared_limit < SMALL_SHARED:
+        # ptxas spills 8 B of the dK/dV kernel at 2 stages for sm86/sm89 (99 KiB per block),
+        # not at 1 (scripts/compile_kernels.py): the untuned default takes 1 stage there
+        stages = STAGES[::-1]
+    space = [Config(best, warps[0], stages[0]), Config(best, warps[1], STAGES[0]),
+             Config(best, warps[0], stages[1])]
     space += [Config(t, _warps(t, row_bytes, exact_fp32)[0], STAGES[0]) for work, t in rest
               if work <= TUNE_SLACK * least]
     return [c for c in space if fits(c)]
