@@ -5,8 +5,10 @@ where the model takes any size, at another input size; and ``attnzoo export``.
 
 Tiers: the default run exports the smallest model of each family with the TorchScript
 exporter, and with the dynamo exporter every op and QUEST-ViT; ``slow`` the other families'
-smallest models with the dynamo exporter (see ``_QUICK_DYNAMO_FAMILIES``); timm's suite's
-``full`` switch (``ATTNZOO_TIMM_SUITE=full``) every model with both.
+smallest models with the dynamo exporter (see ``_QUICK_DYNAMO_FAMILIES``) and, with
+``ATTNZOO_TIMM_CHECKOUT`` set to a timm clone, that clone's own ``onnx_export.py
+--check-forward`` with and without ``--dynamic-size`` and ``--dynamo``; timm's suite's ``full``
+switch (``ATTNZOO_TIMM_SUITE=full``) every model with both exporters.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import importlib.util
 import inspect
 import io
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -436,3 +441,50 @@ def test_the_exported_graph_grows_with_depth_not_with_the_kernel(family):
     # one block more: more nodes, and no fewer of any op type
     grown = counts[3, 2] - counts[3, 1]
     assert sum(grown.values()) > 0 and not counts[3, 1] - counts[3, 2], grown
+
+
+# ---------------------------------------------------------------------------------------------
+# timm's own onnx_export.py, from a timm checkout
+# ---------------------------------------------------------------------------------------------
+
+def _timm_script_cases():
+    """Each family's smallest model with each exporter, and with ``--dynamic-size`` where the
+    family allows it."""
+    cases = []
+    for fam, name in sorted(smallest_per_family().items()):
+        cfg = timm.create_model(name, device="meta").pretrained_cfg
+        sizes = (False,) if attnzoo.hub.dynamic_size_refusal(cfg) else (False, True)
+        for dynamo in (False, True):
+            for size in sizes:
+                flags = ["--dynamo"] * dynamo + ["--dynamic-size"] * size
+                kind = ["dynamo" if dynamo else "torchscript"] + ["dynamic-size"] * size
+                cases.append(pytest.param(name, flags, id="-".join([name] + kind)))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, flags", _timm_script_cases())
+def test_timm_s_onnx_export_py_checks_the_forward_from_a_timm_checkout(name, flags, tmp_path):
+    checkout = os.environ.get("ATTNZOO_TIMM_CHECKOUT")
+    if not checkout:
+        pytest.skip("set ATTNZOO_TIMM_CHECKOUT to a timm clone to run its onnx_export.py")
+    torch.manual_seed(0)
+    model = timm.create_model(name).eval()
+    checkpoint, out_file = tmp_path / f"{name}.pth", tmp_path / f"{name}.onnx"
+    torch.save(model.state_dict(), checkpoint)  # no --checkpoint: timm's script downloads
+    size, other_size = _sizes(model.pretrained_cfg)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnzoo", "timm", "onnx_export.py", str(out_file), "-m", name,
+         "--checkpoint", str(checkpoint), "--img-size", str(size[0]), *flags,
+         "--check-forward"], cwd=checkout, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "2"})
+    # --check-forward: onnxruntime's logits equal PyTorch's to 3 decimals, or it raises
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    inputs = [torch.randn(3, 3, *size)]  # another batch than the script's 1
+    if "--dynamic-size" in flags:
+        inputs.append(torch.randn(1, 3, *other_size))
+    for inp in inputs:
+        with torch.no_grad():
+            expected = model(inp)
+        torch.testing.assert_close(_onnxruntime_logits(out_file, inp), expected, rtol=0, atol=1e-4,
+                                   msg=lambda m: f"{name}, input {list(inp.shape)}: {m}")
