@@ -3,7 +3,7 @@
 timm's ``onnx_export`` with the TorchScript exporter (opset 17) and with the dynamo exporter,
 the graphs' node counts (total and the commonest op types), and onnxruntime's CPU throughput
 beside PyTorch eager's (same threads, batch and input; medians of rounds taken round-robin over
-every model and runtime, so a machine that slows down mid-run slows all alike). Where
+the model's runtimes, so that a machine that slows down mid-run slows them alike). Where
 onnxruntime is more than 1.5x slower than PyTorch, onnxruntime's profiler
 (``SessionOptions.enable_profiling``) says which op types take its time.
 
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     folder = tempfile.mkdtemp(prefix="bench_export_")
     warm_up(folder)
 
-    export_rows, graph_lines, phase_rows, steps, models = [], [], [], {}, {}
+    export_rows, graph_lines, phase_rows, run_rows, profiles = [], [], [], [], []
     for name in names:
         torch.manual_seed(0)
         model = timm.create_model(name).eval()
@@ -194,8 +194,9 @@ def main(argv=None) -> int:
             onnx.checker.check_model(str(path), full_check=True)
             with torch.no_grad():
                 want = model(x)
-            sess = session(path, args.threads)
-            got = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+            check = session(path, args.threads)
+            got = torch.from_numpy(check.run(None, {check.get_inputs()[0].name: x.numpy()})[0])
+            del check
             diff = float((got - want).abs().max())
             counts = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
             print(f"{name}: {kind}: {wall:.1f} s ({cpu:.1f} s CPU), {sum(counts.values())} "
@@ -215,29 +216,27 @@ def main(argv=None) -> int:
             phase_rows.append(f"| {name} | " + " | ".join(
                 f"{cpu:.1f} ({nodes} nodes)" for _, cpu, nodes in stages)
                 + f" | {sum(cpu for _, cpu, _ in stages):.1f} |")
+        # throughput: rounds round-robin over this model's runtimes (the ratios compare them),
+        # then its sessions go: onnxruntime's arena keeps each one's peak (a few GB at batch 8),
+        # and every model's together exceeded this machine's 23 GB
         xb = torch.randn(args.batch_size, *cfg["input_size"])
-        models[name] = (files, xb)
-        steps[name, "PyTorch"] = model_step(model, xb)
+        steps = {"PyTorch": model_step(model, xb)}
         for label, path in files.items():
             sess = session(path, args.threads)
             feed = {sess.get_inputs()[0].name: xb.numpy()}
-            steps[name, f"onnxruntime ({label})"] = (lambda s=sess, f=feed: s.run(None, f))
-
-    times: Dict[tuple, List[float]] = {key: [] for key in steps}
-    for r in range(args.rounds):
-        for (name, runtime), step in steps.items():
-            print(f"round {r + 1}/{args.rounds}: {name} {runtime}", file=sys.stderr, flush=True)
-            times[name, runtime] += time_steps(step, "cpu", warmup=1 if r == 0 else 0,
-                                               repeats=1)
-    ips = {key: args.batch_size / statistics.median(t) for key, t in times.items()}
-
-    run_rows, profiles = [], []
-    for name in names:
-        files, xb = models[name]
-        torch_ips = ips[name, "PyTorch"]
+            steps[f"onnxruntime ({label})"] = (lambda s=sess, f=feed: s.run(None, f))
+        times: Dict[str, List[float]] = {runtime: [] for runtime in steps}
+        for r in range(args.rounds):
+            for runtime, step in steps.items():
+                print(f"round {r + 1}/{args.rounds}: {name} {runtime}", file=sys.stderr,
+                      flush=True)
+                times[runtime] += time_steps(step, "cpu", warmup=1 if r == 0 else 0, repeats=1)
+        del steps, sess
+        ips = {runtime: args.batch_size / statistics.median(t) for runtime, t in times.items()}
+        torch_ips = ips["PyTorch"]
         cells = [fmt(torch_ips, ".1f").strip()]
         for label, path in files.items():
-            ort = ips[name, f"onnxruntime ({label})"]
+            ort = ips[f"onnxruntime ({label})"]
             cells += [fmt(ort, ".1f").strip(), fmt(ort / torch_ips, ".2f", suffix="x").strip()]
             if torch_ips > SLOW * ort:
                 print(f"{name}: onnxruntime ({label}) {torch_ips / ort:.1f}x slower than "
