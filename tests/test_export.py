@@ -5,13 +5,22 @@ where the model takes any size, at another input size; and ``attnzoo export``.
 
 Tiers: the default run exports the smallest model of each family with the TorchScript
 exporter, and with the dynamo exporter every op and QUEST-ViT; ``slow`` the other families'
-smallest models with the dynamo exporter (see ``_QUICK_DYNAMO_FAMILIES``); timm's suite's
-``full`` switch (``ATTNZOO_TIMM_SUITE=full``) every model with both.
+smallest models with the dynamo exporter (see ``_QUICK_DYNAMO_FAMILIES``) and, with
+``ATTNZOO_TIMM_CHECKOUT`` set to a timm clone, that clone's own ``onnx_export.py
+--check-forward`` with and without ``--dynamic-size`` and ``--dynamo``; timm's suite's ``full``
+switch (``ATTNZOO_TIMM_SUITE=full``) every model with both exporters.
 """
 from __future__ import annotations
 
+import collections
 import importlib.util
 import inspect
+import io
+import math
+import os
+import subprocess
+import sys
+import warnings
 
 import numpy as np
 import onnx
@@ -26,6 +35,7 @@ from attnzoo import backends, cli
 from attnzoo.ops.neighborhood import na_export, na_reference
 from attnzoo.ops.qna import qna2d_export, qna2d_reference
 from attnzoo.ops.san import _footprint, aggregation_export, aggregation_reference
+import tiny_models
 from timm_suite.families import full_run, smallest_per_family
 
 # ---------------------------------------------------------------------------------------------
@@ -313,8 +323,10 @@ def test_cli_names_the_extra_when_onnx_is_missing(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "onnxruntime" else real(name, *a))
     code, out, err = _run_cli(["export", "nat_mini", str(tmp_path / "n.onnx"), "--check"], capsys)
-    assert code == 2
-    assert 'onnxruntime, not installed: pip install "attnzoo[onnx]"' in err.strip().splitlines()[-1]
+    # README "Command line": every mistake is one line, no usage, exit status 2
+    assert code == 2 and out == ""
+    assert err == ('attnzoo export: error: exporting needs onnxruntime, not installed: '
+                   'pip install "attnzoo[onnx]"\n')
 
 
 def test_cli_rejects_a_size_the_model_cannot_run(tmp_path, capsys):
@@ -327,3 +339,152 @@ def test_model_cards_say_whether_a_model_exports_with_a_dynamic_size():
     for name, dynamic in (("nat_mini", True), ("quest_vit_tiny_patch16_224", False)):
         line = attnzoo.hub.export_line(timm.create_model(name, device="meta").pretrained_cfg)
         assert ("--dynamic-size" in line) is dynamic, line
+
+
+# NAT_MINI_CUT as --model-kwargs: nat_mini cut to 5 blocks of 16-32 channels, which exports in
+# about a second; KEY=repr(VALUE) is what the command parses back
+_TINY_NAT_KWARGS = [f"{key}={value!r}" for key, value in tiny_models.NAT_MINI_CUT.items()]
+
+
+def _tiny_nat_checkpoint(path, seed):
+    torch.manual_seed(seed)
+    model = timm.create_model("nat_mini", **tiny_models.NAT_MINI_CUT).eval()
+    torch.save(model.state_dict(), path)
+    return model
+
+
+def test_cli_exports_a_dynamic_size_at_an_opset_that_onnxruntime_runs_at_other_sizes(
+        tmp_path, capsys):
+    checkpoint, out_file = tmp_path / "nat.pth", tmp_path / "nat.onnx"
+    model = _tiny_nat_checkpoint(checkpoint, seed=2)
+    code, out, err = _run_cli(["export", "nat_mini", str(out_file), "--checkpoint",
+                               str(checkpoint), "--img-size", "64", "--dynamic-size", "--opset",
+                               "16", "--check", "--model-kwargs", *_TINY_NAT_KWARGS], capsys)
+    assert code == 0, err
+    assert "at 64x64 with the TorchScript exporter, dynamic batch and size" in out
+    # --check ran the export's input and another batch and size (64 + 32)
+    checked = [line for line in out.splitlines() if line.startswith("onnxruntime vs PyTorch")]
+    assert [line.split(":")[0] for line in checked] == [
+        "onnxruntime vs PyTorch, input [2, 3, 64, 64]",
+        "onnxruntime vs PyTorch, input [3, 3, 96, 96]"], out
+    opsets = {o.domain: o.version for o in onnx.load(str(out_file)).opset_import}
+    assert opsets[""] == 16
+    # a size --check did not try, not square, with the last stage (3x4) below the 7x7 window
+    x = torch.randn(1, 3, 80, 112)
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(_onnxruntime_logits(out_file, x), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("offset", [3e-4, math.nan], ids=["above-tolerance", "nan"])
+def test_cli_check_exits_1_in_one_line_when_onnxruntime_differs_from_pytorch(
+        offset, tmp_path, capsys, monkeypatch):
+    real = onnxruntime.InferenceSession
+
+    class Drifting(real):  # what a wrong export formula would give: logits off by ``offset``
+        def run(self, *args, **kwargs):
+            outputs = super().run(*args, **kwargs)
+            outputs[0] = outputs[0] + np.float32(offset)
+            return outputs
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", Drifting)
+    checkpoint, out_file = tmp_path / "nat.pth", tmp_path / "nat.onnx"
+    _tiny_nat_checkpoint(checkpoint, seed=3)
+    code, out, err = _run_cli(["export", "nat_mini", str(out_file), "--checkpoint",
+                               str(checkpoint), "--img-size", "64", "--check",
+                               "--model-kwargs", *_TINY_NAT_KWARGS], capsys)
+    assert code == 1
+    assert len([line for line in out.splitlines() if "largest difference" in line]) == 2, out
+    worst = "nan" if math.isnan(offset) else "3.0"
+    assert err.count("\n") == 1 and err.startswith(
+        f"attnzoo export: FAILED: {out_file} differs from PyTorch by {worst}"), err
+    assert err.rstrip().endswith("above the tolerance 1e-04"), err
+
+
+# ---------------------------------------------------------------------------------------------
+# graph size
+# ---------------------------------------------------------------------------------------------
+
+def _onnx_op_counts(model, size):
+    """ONNX op type -> nodes of ``model``'s TorchScript export (opset 17, dynamic batch and
+    size, the exporter's constant folding on, as timm's onnx_export runs it)."""
+    buffer, x = io.BytesIO(), torch.randn(2, 3, size, size)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        torch.onnx.export(model, (x,), buffer, dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": [0, 2, 3]})
+    return collections.Counter(node.op_type for node in onnx.load_from_string(
+        buffer.getvalue()).graph.node)
+
+
+# family -> (build(kernel size, blocks in one stage), input size): the tiny models of
+# tests/tiny_models.py, one stage's depth varied and cut to what the property needs (about a
+# second an export): NAT without dilation (its export formula differs between d = 1 and d > 1),
+# QnA-ViT without its window-attention blocks, which have no kernel
+_GRAPH_SIZE_MODELS = {
+    "nat": (lambda k, depth: tiny_models.nat(kernel_size=k, depths=(1, depth, 1, 1),
+                                             dilations=None), 32),
+    "qna_vit": (lambda k, depth: tiny_models.qna_vit(kernel_size=k, qna_depths=(1, depth, 0, 0),
+                                                     lsa_depths=(0, 0, 0, 0)), 64),
+    "san": (lambda k, depth: tiny_models.san_small(kernel_sizes=k, depths=(1, depth, 1, 1, 1)),
+            128),
+}
+
+
+@pytest.mark.parametrize("family", list(_GRAPH_SIZE_MODELS))
+def test_the_exported_graph_grows_with_depth_not_with_the_kernel(family):
+    build, size = _GRAPH_SIZE_MODELS[family]
+    counts = {(k, depth): _onnx_op_counts(build(k, depth), size)
+              for k, depth in ((3, 1), (7, 1), (3, 2))}
+    # the same graph, op by op, for 9 and 49 taps: no node per tap
+    assert counts[7, 1] == counts[3, 1]
+    # one block more: more nodes, and no fewer of any op type
+    grown = counts[3, 2] - counts[3, 1]
+    assert sum(grown.values()) > 0 and not counts[3, 1] - counts[3, 2], grown
+
+
+# ---------------------------------------------------------------------------------------------
+# timm's own onnx_export.py, from a timm checkout
+# ---------------------------------------------------------------------------------------------
+
+def _timm_script_cases():
+    """Each family's smallest model with each exporter, and with ``--dynamic-size`` where the
+    family allows it."""
+    cases = []
+    for fam, name in sorted(smallest_per_family().items()):
+        cfg = timm.create_model(name, device="meta").pretrained_cfg
+        sizes = (False,) if attnzoo.hub.dynamic_size_refusal(cfg) else (False, True)
+        for dynamo in (False, True):
+            for size in sizes:
+                flags = ["--dynamo"] * dynamo + ["--dynamic-size"] * size
+                kind = ["dynamo" if dynamo else "torchscript"] + ["dynamic-size"] * size
+                cases.append(pytest.param(name, flags, id="-".join([name] + kind)))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, flags", _timm_script_cases())
+def test_timm_s_onnx_export_py_checks_the_forward_from_a_timm_checkout(name, flags, tmp_path):
+    checkout = os.environ.get("ATTNZOO_TIMM_CHECKOUT")
+    if not checkout:
+        pytest.skip("set ATTNZOO_TIMM_CHECKOUT to a timm clone to run its onnx_export.py")
+    torch.manual_seed(0)
+    model = timm.create_model(name).eval()
+    checkpoint, out_file = tmp_path / f"{name}.pth", tmp_path / f"{name}.onnx"
+    torch.save(model.state_dict(), checkpoint)  # no --checkpoint: timm's script downloads
+    size, other_size = _sizes(model.pretrained_cfg)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnzoo", "timm", "onnx_export.py", str(out_file), "-m", name,
+         "--checkpoint", str(checkpoint), "--img-size", str(size[0]), *flags,
+         "--check-forward"], cwd=checkout, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "2"})
+    # --check-forward: onnxruntime's logits equal PyTorch's to 3 decimals, or it raises
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    inputs = [torch.randn(3, 3, *size)]  # another batch than the script's 1
+    if "--dynamic-size" in flags:
+        inputs.append(torch.randn(1, 3, *other_size))
+    for inp in inputs:
+        with torch.no_grad():
+            expected = model(inp)
+        torch.testing.assert_close(_onnxruntime_logits(out_file, inp), expected, rtol=0, atol=1e-4,
+                                   msg=lambda m: f"{name}, input {list(inp.shape)}: {m}")

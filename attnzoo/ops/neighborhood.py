@@ -321,59 +321,64 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _axis_neighbours(L, K: int, d: int, device: torch.device
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """For each position of an axis of length ``L`` (an int, or a size traced for export): its
-    ``K`` key positions and their rpb offsets, ``[L * K]`` each (position-major); tensor ops
-    only, so that an exported graph derives them from the input's shape."""
+    ``K`` key positions and their rpb offsets, ``[L, K]`` each; tensor ops only, so that an
+    exported graph derives them from the input's shape."""
     i = torch.arange(L, device=device)
     if d == 1:
         # L - K - i + i: the last start as a tensor, whether L is an int or a traced size
         start = torch.minimum(torch.clamp(i - K // 2, min=0), L - K - i + i)
         key = start.unsqueeze(1) + torch.arange(K, device=device)
-        return key.reshape(-1), (key - i.unsqueeze(1) + K - 1).reshape(-1)
+        return key, key - i.unsqueeze(1) + K - 1
     # operands are >= 0: truncating division is floor division, and exports to one node
     g, ip = i % d, torch.div(i, d, rounding_mode="trunc")
     group_len = torch.div(L - g + d - 1, d, rounding_mode="trunc")
     start = torch.minimum(torch.clamp(ip - K // 2, min=0), group_len - K).unsqueeze(1)
     key_ip = start + torch.arange(K, device=device)
-    return ((key_ip * d + g.unsqueeze(1)).reshape(-1),
-            (key_ip - ip.unsqueeze(1) + K - 1).reshape(-1))
+    return key_ip * d + g.unsqueeze(1), key_ip - ip.unsqueeze(1) + K - 1
 
 
 def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
               dilation: Tuple[int, ...], rpb: Optional[torch.Tensor],
               scale: float) -> torch.Tensor:
     """NA as an export graph, one per axis count whatever the input size and kernel: each
-    axis's window indices are computed from the input's shape, keys and values are gathered one
-    axis at a time (``[B, L_0, K_0, L_1, K_1, .., heads, c]``: every query's window), and the
-    softmax runs over each query's ``K**n`` keys. It holds ``K**n`` copies of k and v, which
-    inference affords."""
+    axis's window indices are computed from the input's shape and combined into one index of
+    every query's ``K**n`` keys in the flattened map, ``[L_0, .., L_n-1, K_0, .., K_n-1]``;
+    keys and values are gathered by one ``index_select`` each (``K**n`` copies of k and v,
+    which inference affords) and the softmax runs over each query's keys.
+
+    Its node count is what the dynamo exporter's time follows: every node costs symbolic-shape
+    work in torch.export and its decompositions, and onnxscript's optimizer matches patterns
+    in time quadratic in the graph's nodes (BENCHMARKS.md "ONNX export"). Hence one gather per
+    tensor rather than one per axis, unsqueeze rather than reshape where the sizes come from
+    the input, and one size from the input (the batch) in every reshape but the last."""
     n = len(kernel_size)
     B, spatial, heads = q.shape[0], q.shape[1:1 + n], q.shape[-2]
-    axes = [_axis_neighbours(L, K, d, q.device)
-            for L, K, d in zip(spatial, kernel_size, dilation)]
-    windowed = [B]
-    for L, K in zip(spatial, kernel_size):
-        windowed += [L, K]
+    key = rel = None
+    taps = 1
+    for a, (L, K, d) in enumerate(zip(spatial, kernel_size, dilation)):
+        key_a, rel_a = _axis_neighbours(L, K, d, q.device)       # [L_a, K_a]
+        for _ in range(a):  # -> [1, .., L_a, 1, .., K_a]: after the earlier axes' dims
+            key_a, rel_a = key_a.unsqueeze(0).unsqueeze(-2), rel_a.unsqueeze(0).unsqueeze(-2)
+        if key is None:
+            key, rel = key_a, rel_a
+        else:  # row-major positions in the map, row-major offsets in the rpb table
+            key = key.unsqueeze(a).unsqueeze(-1) * L + key_a
+            rel = rel.unsqueeze(a).unsqueeze(-1) * (2 * K - 1) + rel_a
+        taps *= K
+    key = key.reshape(-1)
 
-    def windows(x):  # [B, *spatial, heads, c] -> [B, L_0, K_0, .., heads, c]
-        for a, (key, _) in enumerate(axes):
-            # advanced indexing, not index_select: several times faster on CPU off dim 0
-            x = x[(slice(None),) * (1 + a) + (key,)]
-        return x.reshape(windowed + [heads, x.shape[-1]])
+    def windows(x):  # [B, *spatial, heads, c] -> [B, N, K**n, heads, c]
+        c = x.shape[-1]
+        return x.reshape(B, -1, heads, c).index_select(1, key).reshape(B, -1, taps, heads, c)
 
-    qw = (q * scale).reshape([B] + [s for L in spatial for s in (L, 1)] + [heads, q.shape[-1]])
-    logits = (qw * windows(k)).sum(-1)                            # [B, L_0, K_0, .., heads]
+    qs = (q * scale).reshape(B, -1, 1, heads, q.shape[-1])
+    logits = (qs * windows(k)).sum(-1)                            # [B, N, K**n, heads]
     if rpb is not None:
-        bias = rpb
-        for a, (_, rel) in enumerate(axes):
-            bias = bias.index_select(1 + a, rel)
-        bias = bias.reshape([heads] + windowed[1:]).permute(*range(1, 2 * n + 1), 0)
-        logits = logits + bias.to(logits.dtype)
-    window_dims = tuple(2 + 2 * a for a in range(n))
-    # softmax over each query's window: the K dims are interleaved with the position dims
-    logits = logits - logits.amax(window_dims, keepdim=True)
-    p = logits.exp()
-    p = p / p.sum(window_dims, keepdim=True)
-    return (p.unsqueeze(-1) * windows(v)).sum(window_dims)        # [B, *spatial, heads, c]
+        bias = rpb.reshape(heads, -1).index_select(1, rel.reshape(-1))
+        logits = logits + bias.reshape(heads, -1, taps).permute(1, 2, 0).to(logits.dtype)
+    p = logits.softmax(2)
+    out = (p.unsqueeze(-1) * windows(v)).sum(2)                   # [B, N, heads, c]
+    return out.reshape_as(v)  # v's shape (the TorchScript exporter reads it in two nodes)
 
 
 # --------------------------------------------------------------------------------------------
