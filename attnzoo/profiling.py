@@ -5,11 +5,13 @@ Measuring (``attnzoo bench`` and every script in ``scripts/``): :func:`time_step
 loop), :func:`time_call` and :func:`time_op_calls` (median time and peak memory of a call, or of
 the attnzoo ops inside it), :class:`PeakMemory`, :func:`model_step` (an inference or training
 step), :data:`CLOCKS`, :data:`DTYPES`, :func:`synchronize`. Printing: :func:`fmt`, :func:`table`,
-:func:`first_line`, :func:`device_name`.
+:func:`first_line`, :func:`device_name`, :func:`write_table` (a script's figures into
+BENCHMARKS.md between its markers).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import statistics
 import time
@@ -22,7 +24,7 @@ from . import backends
 
 __all__ = ["count_params", "count_macs", "CLOCKS", "DTYPES", "synchronize", "time_steps",
            "PeakMemory", "Timing", "time_call", "time_op_calls", "model_step", "fmt", "table",
-           "first_line", "device_name"]
+           "first_line", "device_name", "write_table"]
 
 
 def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -269,3 +271,16 @@ def device_name(device: Union[str, torch.device]) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
+
+
+def write_table(path: Union[str, "os.PathLike[str]"], script: str, text: str) -> None:
+    """Replace what lies between ``<!-- {script} table begin -->`` and ``... end -->`` in
+    ``path`` (BENCHMARKS.md) with ``text``: a script rewrites its own figures, nothing else."""
+    begin, end = f"<!-- {script} table begin -->", f"<!-- {script} table end -->"
+    with open(path) as f:
+        old = f.read()
+    if begin not in old or end not in old:
+        raise ValueError(f"{path} has no {begin} ... {end} markers")
+    head, rest = old.split(begin, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")

@@ -48,14 +48,12 @@ from timm.utils.onnx import onnx_export
 
 import attnzoo
 from attnzoo.hub import dynamic_size_refusal
-from attnzoo.profiling import device_name, fmt, model_step, time_steps
+from attnzoo.profiling import device_name, fmt, model_step, time_steps, write_table
 
 # each family's smallest model, DiNAT and SAN's two attention types apart (issue 26's list)
 MODELS = ("nat_mini", "dinat_mini", "qna_vit_tiny", "san10_pairwise", "san10_patchwise",
           "quest_vit_tiny_patch16_224")
 SLOW = 1.5  # issue 26: onnxruntime this much slower than PyTorch is profiled
-MARK_BEGIN = "<!-- bench_export.py table begin -->"
-MARK_END = "<!-- bench_export.py table end -->"
 
 
 def export(model: torch.nn.Module, path: Path, x: torch.Tensor, exporter: str,
@@ -278,13 +276,11 @@ def main(argv=None) -> int:
                "onnxruntime is nowhere more than 1.5x slower than PyTorch."))
     print(text)
     if args.write:
-        path = Path(args.write)
-        old = path.read_text()
-        if MARK_BEGIN not in old or MARK_END not in old:
-            p.error(f"{path} has no {MARK_BEGIN} ... {MARK_END} markers")
-        head, rest = old.split(MARK_BEGIN, 1)
-        path.write_text(f"{head}{MARK_BEGIN}\n{text}\n{MARK_END}{rest.split(MARK_END, 1)[1]}")
-        print(f"wrote {path}")
+        try:
+            write_table(args.write, "bench_export.py", text)
+        except ValueError as e:
+            p.error(str(e))
+        print(f"wrote {args.write}")
     return 0
 
 

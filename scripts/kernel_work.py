@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import timm
@@ -28,10 +27,9 @@ import attnzoo
 from attnzoo.kernels import neighborhood as kn
 from attnzoo.kernels.tiling import Tiling, logit_work, region_extents
 from attnzoo.layers import neighborhood as na_layer
+from attnzoo.profiling import write_table
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-MARK_BEGIN = "<!-- kernel_work.py table begin -->"
-MARK_END = "<!-- kernel_work.py table end -->"
 
 Layer = Tuple[Tuple[int, int], int, int, int, int]  # (H, W), K, dilation, heads, head dim
 
@@ -121,14 +119,12 @@ def main(argv=None) -> int:
                + "\n".join(totals))
     print(table + "\n\n" + summary)
     if args.write:
-        path = Path(args.write)
-        text = path.read_text()
-        if MARK_BEGIN not in text or MARK_END not in text:
-            p.error(f"{path} has no {MARK_BEGIN} ... {MARK_END} markers")
-        head, rest = text.split(MARK_BEGIN, 1)
-        path.write_text(f"{head}{MARK_BEGIN}\nUseful logits ({args.dtype} tilings):\n\n{table}"
-                        f"\n\n{summary}\n{MARK_END}{rest.split(MARK_END, 1)[1]}")
-        print(f"wrote {path}")
+        try:
+            write_table(args.write, "kernel_work.py",
+                        f"Useful logits ({args.dtype} tilings):\n\n{table}\n\n{summary}")
+        except ValueError as e:
+            p.error(str(e))
+        print(f"wrote {args.write}")
     return 0
 
 

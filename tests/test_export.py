@@ -244,6 +244,15 @@ def _onnxruntime_logits(path, x):
     return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
 
 
+def _assert_onnxruntime_matches(path, model, name, inputs):
+    """onnxruntime's logits equal the model's within issue 26's 1e-4 at every input."""
+    for inp in inputs:
+        with torch.no_grad():
+            expected = model(inp)
+        torch.testing.assert_close(_onnxruntime_logits(path, inp), expected, rtol=0, atol=1e-4,
+                                   msg=lambda m: f"{name}, input {list(inp.shape)}: {m}")
+
+
 @pytest.mark.parametrize("name, exporter", _cases())
 def test_model_exports_and_onnxruntime_gives_pytorch_s_logits(name, exporter, tmp_path):
     dynamo = exporter == "dynamo"
@@ -263,11 +272,7 @@ def test_model_exports_and_onnxruntime_gives_pytorch_s_logits(name, exporter, tm
     inputs = [x, torch.randn(3, 3, *size)]  # the export's batch, then another
     if other_size:
         inputs.append(torch.randn(1, 3, *other_size))
-    for inp in inputs:
-        with torch.no_grad():
-            expected = model(inp)
-        torch.testing.assert_close(_onnxruntime_logits(path, inp), expected, rtol=0, atol=1e-4,
-                                   msg=lambda m: f"{name}, input {list(inp.shape)}: {m}")
+    _assert_onnxruntime_matches(path, model, name, inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,8 +488,4 @@ def test_timm_s_onnx_export_py_checks_the_forward_from_a_timm_checkout(name, fla
     inputs = [torch.randn(3, 3, *size)]  # another batch than the script's 1
     if "--dynamic-size" in flags:
         inputs.append(torch.randn(1, 3, *other_size))
-    for inp in inputs:
-        with torch.no_grad():
-            expected = model(inp)
-        torch.testing.assert_close(_onnxruntime_logits(out_file, inp), expected, rtol=0, atol=1e-4,
-                                   msg=lambda m: f"{name}, input {list(inp.shape)}: {m}")
+    _assert_onnxruntime_matches(out_file, model, name, inputs)
