@@ -211,11 +211,11 @@ class LoadedCheckpoint(NamedTuple):
     from_args: str = ""
 
 
-def _train_args(model_name: str, name: str, args: Any) -> Tuple[Dict[str, Any], str]:
+def _train_args(model_name: str, name: str,
+                args: Mapping[str, Any]) -> Tuple[Dict[str, Any], str]:
     """The ``timm.create_model`` arguments train.py built its model with (from the checkpoint's
     ``args``) that change the weights' shapes or the eval forward, and what they were, in a
     phrase. Its drop rates and BatchNorm momentum are left out: they train, nothing else."""
-    args = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
     arch = model_name.split(".", 1)[0]
     trained = str(args.get("model") or arch)
     if trained.split(".", 1)[0] != arch:
@@ -241,14 +241,13 @@ def _train_args(model_name: str, name: str, args: Any) -> Tuple[Dict[str, Any], 
                        if dropped else ""))
 
 
-def _train_data_config(model: torch.nn.Module, args: Any,
+def _train_data_config(model: torch.nn.Module, args: Mapping[str, Any],
                        model_kwargs: Mapping[str, Any]) -> Dict[str, Any]:
     """The entries of ``model``'s pretrained cfg that train.py's data config (its args: input
     or image size, interpolation, mean, std, crop) changed, as ``resolve_data_config`` gives
     them; a fixed-size model's ``img_size`` model argument sets the input size when the args do
     not (train.py then had to be given it too)."""
     from timm.data import resolve_data_config
-    args = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
     cfg = model.pretrained_cfg
     data = resolve_data_config(args, model=model)
     img_size = model_kwargs.get("img_size")
@@ -292,7 +291,9 @@ def load_checkpoint_model(model_name: str, path: PathLike,
         source = (f"{key} ({'EMA' if use_ema else 'non-EMA'} weights) of {name}{epoch}"
                   + (f"; it also holds {other}" if other in checkpoint else ""))
         train_args = checkpoint.get("args")
-        if train_args is not None:
+        if train_args is not None:  # train.py saves its argparse.Namespace
+            train_args = (vars(train_args) if isinstance(train_args, argparse.Namespace)
+                          else dict(train_args))
             kwargs, from_args = _train_args(model_name, name, train_args)
         checkpoint = checkpoint[key]
     elif use_ema:
@@ -537,10 +538,10 @@ def weights_source(tag: str) -> str:
                 f"({cfg.origin_url}) converted by `attnzoo publish`; until then pretrained=True "
                 "fails naming the repo and the `attnzoo convert` path")
     if cfg.hf_hub_id:
-        copy = (f"a timm-native copy: {home}" if home in PUBLISHED_REPOS else
-                f"a timm-native copy is to be published as {home}, and the tag loads "
-                f"{cfg.hf_hub_id} until it is pointed at the copy")
-        return f"Hub repo {cfg.hf_hub_id}, the authors' upload (converted on load); {copy}"
+        native = (f"a timm-native copy: {home}" if home in PUBLISHED_REPOS else
+                  f"a timm-native copy is to be published as {home}, and the tag loads "
+                  f"{cfg.hf_hub_id} until it is pointed at the copy")
+        return f"Hub repo {cfg.hf_hub_id}, the authors' upload (converted on load); {native}"
     if cfg.url:
         return f"URL {cfg.url}"
     if cfg.file:

@@ -23,11 +23,11 @@ from PIL import Image
 
 import attnzoo
 from attnzoo import cli, hub
-from attnzoo.models import model_family
 from checkpoint_layouts import (nat_to_official, nest, qna_official_manifest, san_to_official,
                                 san_training_checkpoint, write_flax_checkpoint)
 from hub_cache import offline_hf_cache, write_hf_cache
 from hub_server import HubServer
+from timm_suite.families import smallest_per_family
 from tiny_models import quest_vit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -550,18 +550,10 @@ def test_model_cards_md_is_generated_from_the_facts_file():
         "MODEL_CARDS.md is stale: python scripts/make_model_cards.py"
 
 
-def _smallest_of_each_family() -> set:
-    facts = json.loads(FACTS.read_text())["models"]
-    smallest = {}
-    for name in sorted(facts, key=lambda n: (facts[n]["gmacs"], n)):
-        smallest.setdefault(model_family(name), name)
-    return set(smallest.values())
-
-
 # Measuring all 28 models takes about 25 s on 2 cores: the default tier measures the smallest
 # model of each family (about 3 s), the slow tier the others.
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=[pytest.mark.slow] * (name not in _smallest_of_each_family()))
+    pytest.param(name, marks=[pytest.mark.slow] * (name not in smallest_per_family().values()))
     for name in attnzoo.list_models()])
 def test_card_facts_are_what_the_model_measures(name):
     """scripts/model_card_facts.json (GMACs, ops, backends on the cards) against
