@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, NamedTuple
 from typing import Optional, Sequence, Tuple, Union
 
@@ -437,6 +438,29 @@ def exporting() -> bool:
     dynamo exporter runs) or by ``torch.jit.trace`` (which the TorchScript ONNX exporter
     runs). Ops then run their exportable formula, whatever the backend."""
     return _is_exporting() or torch.jit.is_tracing()
+
+
+# Per torch.export trace (keyed by its fake-tensor mode, dropped with it): export_memo's values.
+_export_memos: "weakref.WeakKeyDictionary[Any, Dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+
+
+def export_memo(key: tuple, like: torch.Tensor, make: Callable[..., Any], *args: Any) -> Any:
+    """``make(*args)`` once per ``torch.export`` trace and ``key``: the index tensors an export
+    formula derives from sizes are then shared by every layer of the same sizes (a stage's
+    blocks) and sit in the graph once, not once per block. The dynamo exporter's time grows with
+    the graph (BENCHMARKS.md "ONNX export"); ``make``'s tensors are only read, never written.
+
+    ``key`` holds plain values and sizes; a traced size counts as its symbolic expression, equal
+    expressions being equal sizes. ``like`` is a tensor of the trace. Elsewhere (eager calls,
+    ``torch.jit.trace``, whose sizes are traced values with no expression), ``make`` runs."""
+    mode = torch._guards.detect_fake_mode((like,)) if _is_exporting() else None
+    if mode is None:
+        return make(*args)
+    key = tuple(str(k) if isinstance(k, torch.SymInt) else k for k in key)
+    memo = _export_memos.setdefault(mode, {})
+    if key not in memo:
+        memo[key] = make(*args)
+    return memo[key]
 
 
 def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:

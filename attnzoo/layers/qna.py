@@ -271,6 +271,22 @@ def relative_position_index(win_h: int, win_w: int, window_size: int,
     return (dy * (2 * window_size - 1) + dx).reshape(win_h * win_w, win_h * win_w)
 
 
+def _layout_tensors(H: int, W: int, window_size: int, padded: bool, device: torch.device
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """What the window layout alone decides: each window's ``[n * n]`` rows of the bias table and,
+    where the map is padded, which of each window's keys lie in the padding,
+    ``[nh * nw, 1, 1, n]`` (``n = wh * ww``)."""
+    wh, nh = window_layout(H, window_size)
+    ww, nw = window_layout(W, window_size)
+    index = relative_position_index(wh, ww, window_size, device).reshape(-1)
+    if not padded:
+        return index, None
+    valid = ((torch.arange(nh * wh, device=device) < H).view(nh * wh, 1)
+             & (torch.arange(nw * ww, device=device) < W).view(1, nw * ww))
+    return index, ~valid.reshape(nh, wh, nw, ww).permute(0, 2, 1, 3).reshape(nh * nw, 1, 1,
+                                                                              wh * ww)
+
+
 @register_notrace_function
 def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
                      window_size: int, attn_norm: str = "none") -> torch.Tensor:
@@ -290,8 +306,10 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     pad_h, pad_w = nh * wh - H, nw * ww - W
     if torch.jit.is_scripting():  # (TorchScript compiles neither the check nor the export)
         padded = pad_h > 0 or pad_w > 0
-    else:  # an exported graph serves every size: it always pads (maybe by 0) and masks
-        padded = backends.exporting() or pad_h > 0 or pad_w > 0
+    else:  # a graph exported for other sizes (traced ones) always pads (maybe by 0) and masks
+        traced_size = not (isinstance(H, int) and isinstance(W, int))
+        padded = (torch.jit.is_tracing() or (traced_size and backends.exporting())
+                  or pad_h > 0 or pad_w > 0)
     if padded:
         qkv = F.pad(qkv, (0, 0, 0, pad_w, 0, pad_h))
     n = wh * ww
@@ -302,14 +320,16 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     scale: Optional[float] = None
     if attn_norm == "quest":
         k, scale = l2_normalize(k), 1.0
-    index = relative_position_index(wh, ww, window_size, table.device)
-    bias = table[index.reshape(-1)].reshape(n, n, num_heads).permute(2, 0, 1)   # [heads, n, n]
-    bias = bias.to(q.dtype).unsqueeze(0)
-    if padded:
-        valid = ((torch.arange(nh * wh, device=qkv.device) < H).view(nh * wh, 1)
-                 & (torch.arange(nw * ww, device=qkv.device) < W).view(1, nw * ww))
-        valid = valid.reshape(nh, wh, nw, ww).permute(0, 2, 1, 3).reshape(nh * nw, 1, 1, n)
-        bias = bias.masked_fill(~valid, float("-inf"))                          # [nW, heads, n, n]
+    if torch.jit.is_scripting():
+        index, invalid = _layout_tensors(H, W, window_size, padded, qkv.device)
+    else:  # once per stage in an exported graph
+        index, invalid = backends.export_memo(("lsa", H, W, window_size, padded, qkv.device),
+                                              qkv, _layout_tensors, H, W, window_size, padded,
+                                              qkv.device)
+    bias = table[index].reshape(n, n, num_heads).permute(2, 0, 1)               # [heads, n, n]
+    bias = (bias if bias.dtype == q.dtype else bias.to(q.dtype)).unsqueeze(0)
+    if invalid is not None:
+        bias = bias.masked_fill(invalid, float("-inf"))                         # [nW, heads, n, n]
         bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     out = out.reshape(B, nh, nw, num_heads, wh, ww, head_dim).permute(0, 1, 4, 2, 5, 3, 6)

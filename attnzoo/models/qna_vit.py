@@ -55,6 +55,7 @@ from timm.layers import (
 from timm.layers.activations import GELUTanh  # timm 1.0.29 does not export it from timm.layers
 from timm.models import generate_default_cfgs, register_notrace_function
 
+from .. import backends
 from ..layers import LocalSelfAttention, QnA
 from ..layers.quest import check_attn_norm
 from ._helpers import check_state_dict, hub_repo, per_stage, unwrap_checkpoint
@@ -67,14 +68,20 @@ _LN_EPS = 1e-6  # Flax's LayerNorm default
 
 
 @register_notrace_function
-def pad_same(x: torch.Tensor, kernel_size: int, stride: int) -> torch.Tensor:
-    """TensorFlow / JAX ``'SAME'`` padding of NCHW ``x`` for a convolution: total
-    ``max((ceil(n / stride) - 1) * stride + kernel_size - n, 0)`` per axis, the smaller half
-    first; no copy where nothing is padded."""
+def pad_same(x: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """TensorFlow / JAX ``'SAME'`` padding of NCHW ``x`` for the stem's convolution (kernel and
+    stride ``patch_size``): up to the next multiple of ``patch_size`` per axis, the smaller half
+    first; no copy where nothing is padded. An exported graph serves every size: it always pads
+    (maybe by 0), by amounts that follow the traced size."""
     pads: List[int] = []
     for n in (x.shape[3], x.shape[2]):
-        total = max((n + stride - 1) // stride * stride - stride + kernel_size - n, 0)
+        # the padded size as one ceil division: a traced size's later expressions stay simple
+        total = (n + patch_size - 1) // patch_size * patch_size - n
         pads += [total // 2, total - total // 2]
+    # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
+    if not torch.jit.is_scripting():
+        if backends.exporting():
+            return F.pad(x, pads)
     if max(pads) > 0:
         x = F.pad(x, pads)
     return x
@@ -92,7 +99,7 @@ class Stem(nn.Module):
                               device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(pad_same(x, self.patch_size, self.patch_size))
+        return self.conv(pad_same(x, self.patch_size))
 
 
 class Block(nn.Module):

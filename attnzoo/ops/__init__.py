@@ -6,7 +6,9 @@ follow the input's shape (default: the torch reference). While a model is traced
 (``torch.jit.trace``, which the TorchScript ONNX exporter runs, or ``torch.export``, which the
 dynamo one runs: :func:`attnzoo.backends.exporting`), :func:`attnzoo.backends.dispatch` runs that
 formula whatever backend is selected, so no custom op or kernel reaches an exporter; eager calls
-never run it.
+never run it. The index tensors a formula derives from sizes alone go through
+:func:`attnzoo.backends.export_memo`: a ``torch.export`` trace builds them once per size, and a
+stage's blocks share them (the dynamo exporter's time follows the graph's size).
 """
 from .neighborhood import na1d, na2d
 from .qna import qna2d

@@ -328,13 +328,30 @@ def _axis_neighbours(L, K: int, d: int, device: torch.device
         # L - K - i + i: the last start as a tensor, whether L is an int or a traced size
         start = torch.minimum(torch.clamp(i - K // 2, min=0), L - K - i + i)
         key = start.unsqueeze(1) + torch.arange(K, device=device)
-        return key, key - i.unsqueeze(1) + K - 1
+        return key, key - (i.unsqueeze(1) - (K - 1))
     # operands are >= 0: truncating division is floor division, and exports to one node
     g, ip = i % d, torch.div(i, d, rounding_mode="trunc")
     group_len = torch.div(L - g + d - 1, d, rounding_mode="trunc")
     start = torch.minimum(torch.clamp(ip - K // 2, min=0), group_len - K).unsqueeze(1)
     key_ip = start + torch.arange(K, device=device)
-    return key_ip * d + g.unsqueeze(1), key_ip - ip.unsqueeze(1) + K - 1
+    return key_ip * d + g.unsqueeze(1), key_ip - (ip.unsqueeze(1) - (K - 1))
+
+
+def _neighbourhood(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
+                   device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every query's ``K**n`` keys as positions in the row-major flattened map, and their rows
+    of the row-major rpb table, ``[N * K**n]`` each, from the axes' :func:`_axis_neighbours`."""
+    key = rel = None
+    for a, (L, K, d) in enumerate(zip(spatial, kernel_size, dilation)):
+        key_a, rel_a = _axis_neighbours(L, K, d, device)          # [L_a, K_a]
+        for _ in range(a):  # -> [1, .., L_a, 1, .., K_a]: after the earlier axes' dims
+            key_a, rel_a = key_a.unsqueeze(0).unsqueeze(-2), rel_a.unsqueeze(0).unsqueeze(-2)
+        if key is None:
+            key, rel = key_a, rel_a
+        else:
+            key = key.unsqueeze(a).unsqueeze(-1) * L + key_a
+            rel = rel.unsqueeze(a).unsqueeze(-1) * (2 * K - 1) + rel_a
+    return key.reshape(-1), rel.reshape(-1)
 
 
 def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
@@ -342,30 +359,22 @@ def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tu
               scale: float) -> torch.Tensor:
     """NA as an export graph, one per axis count whatever the input size and kernel: each
     axis's window indices are computed from the input's shape and combined into one index of
-    every query's ``K**n`` keys in the flattened map, ``[L_0, .., L_n-1, K_0, .., K_n-1]``;
-    keys and values are gathered by one ``index_select`` each (``K**n`` copies of k and v,
-    which inference affords) and the softmax runs over each query's keys.
+    every query's ``K**n`` keys in the flattened map (:func:`_neighbourhood`, once per size and
+    kernel in a torch.export trace: :func:`attnzoo.backends.export_memo`); keys and values are
+    gathered by one ``index_select`` each (``K**n`` copies of k and v, which inference affords)
+    and the softmax runs over each query's keys.
 
     Its node count is what the dynamo exporter's time follows: every node costs symbolic-shape
     work in torch.export and its decompositions, and onnxscript's optimizer matches patterns
-    in time quadratic in the graph's nodes (BENCHMARKS.md "ONNX export"). Hence one gather per
-    tensor rather than one per axis, unsqueeze rather than reshape where the sizes come from
-    the input, and one size from the input (the batch) in every reshape but the last."""
+    in time quadratic in the graph's nodes (BENCHMARKS.md "ONNX export"). Hence the shared
+    index, one gather per tensor rather than one per axis, unsqueeze rather than reshape where
+    the sizes come from the input, one size from the input (the batch) in every reshape but
+    the last, and no cast to the dtype a tensor already has (it would be two nodes)."""
     n = len(kernel_size)
     B, spatial, heads = q.shape[0], q.shape[1:1 + n], q.shape[-2]
-    key = rel = None
-    taps = 1
-    for a, (L, K, d) in enumerate(zip(spatial, kernel_size, dilation)):
-        key_a, rel_a = _axis_neighbours(L, K, d, q.device)       # [L_a, K_a]
-        for _ in range(a):  # -> [1, .., L_a, 1, .., K_a]: after the earlier axes' dims
-            key_a, rel_a = key_a.unsqueeze(0).unsqueeze(-2), rel_a.unsqueeze(0).unsqueeze(-2)
-        if key is None:
-            key, rel = key_a, rel_a
-        else:  # row-major positions in the map, row-major offsets in the rpb table
-            key = key.unsqueeze(a).unsqueeze(-1) * L + key_a
-            rel = rel.unsqueeze(a).unsqueeze(-1) * (2 * K - 1) + rel_a
-        taps *= K
-    key = key.reshape(-1)
+    key, rel = backends.export_memo(("na", *spatial, kernel_size, dilation, q.device), q,
+                                    _neighbourhood, spatial, kernel_size, dilation, q.device)
+    taps = math.prod(kernel_size)
 
     def windows(x):  # [B, *spatial, heads, c] -> [B, N, K**n, heads, c]
         c = x.shape[-1]
@@ -374,8 +383,9 @@ def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tu
     qs = (q * scale).reshape(B, -1, 1, heads, q.shape[-1])
     logits = (qs * windows(k)).sum(-1)                            # [B, N, K**n, heads]
     if rpb is not None:
-        bias = rpb.reshape(heads, -1).index_select(1, rel.reshape(-1))
-        logits = logits + bias.reshape(heads, -1, taps).permute(1, 2, 0).to(logits.dtype)
+        bias = rpb.reshape(heads, -1).index_select(1, rel).reshape(heads, -1, taps)
+        bias = bias if bias.dtype == logits.dtype else bias.to(logits.dtype)
+        logits = logits + bias.permute(1, 2, 0)
     p = logits.softmax(2)
     out = (p.unsqueeze(-1) * windows(v)).sum(2)                   # [B, N, heads, c]
     return out.reshape_as(v)  # v's shape (the TorchScript exporter reads it in two nodes)

@@ -336,29 +336,33 @@ def qna2d_export(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tens
     """QnA as an export graph: every window unfolded (``F.unfold``, sizes from the input's
     shape), out-of-bounds logits ``-inf``, one softmax per window. Exact for any logits, with
     no data-dependent branch and a graph that does not grow with the kernel; it holds
-    ``k * k`` copies of the logits and values, which inference affords."""
+    ``k * k`` copies of the logits and values, which inference affords. Tensors already in the
+    compute dtype are not cast: each cast is two nodes of the exported graph."""
     B, L, h, d = logits.shape[0], logits.shape[3], logits.shape[4], v.shape[-1]
     k, pad = kernel_size, (kernel_size - 1) // 2
     dtype = _compute_dtype(v.dtype)
 
+    def cast(x, to=dtype):
+        return x if x.dtype == to else x.to(to)
+
     def windows(x, value):  # NHWC [B, H, W, C] -> [B, C, k*k, Ho*Wo], ``value`` outside
-        x = F.pad(x.permute(0, 3, 1, 2).to(dtype), (pad, pad, pad, pad), value=value)
+        x = F.pad(cast(x.permute(0, 3, 1, 2)), (pad, pad, pad, pad), value=value)
         return F.unfold(x, k, stride=stride).reshape(B, x.shape[1], k * k, -1)
 
     z = windows(logits.reshape(*logits.shape[:3], L * h), float("-inf")).reshape(
         B, L, h, k * k, -1)
     if rpb is not None:
-        z = z + rpb.to(dtype).reshape(L, h, k * k, 1)
+        z = z + cast(rpb).reshape(L, h, k * k, 1)
     p = z.softmax(3)
     if window_weights is not None:
-        p = p * window_weights.to(dtype).reshape(L, h, k * k, 1)
+        p = p * cast(window_weights).reshape(L, h, k * k, 1)
     values = windows(v.reshape(*v.shape[:3], h * d), 0.).reshape(B, 1, h, d, k * k, -1)
     Ho, Wo = _out_size(logits.shape[1], stride), _out_size(logits.shape[2], stride)
     if sum_queries:  # [B, h, d, Ho*Wo] -> [B, Ho, Wo, h, d]
         out = (p.sum(1).unsqueeze(2) * values[:, 0]).sum(3)
-        return out.reshape(B, h, d, Ho, Wo).permute(0, 3, 4, 1, 2).to(v.dtype)
+        return cast(out.reshape(B, h, d, Ho, Wo).permute(0, 3, 4, 1, 2), v.dtype)
     out = (p.unsqueeze(3) * values).sum(4)                        # [B, L, h, d, Ho*Wo]
-    return out.reshape(B, L, h, d, Ho, Wo).permute(0, 4, 5, 1, 2, 3).to(v.dtype)
+    return cast(out.reshape(B, L, h, d, Ho, Wo).permute(0, 4, 5, 1, 2, 3), v.dtype)
 
 
 # --------------------------------------------------------------------------------------------
