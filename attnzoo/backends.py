@@ -52,7 +52,7 @@ __all__ = [
     "registered_ops", "dispatch", "resolve", "available_backends", "supported_backends",
     "call_limits", "observe_ops", "record_calls", "RUNS_ON", "op_examples", "Case",
     "CheckResult", "TOLERANCE", "case_inputs", "op_cases", "case_support", "check_case",
-    "exporting",
+    "exact_fp32", "exporting",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -502,6 +502,22 @@ TOLERANCE: Dict[torch.dtype, float] = {
     torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 8e-2}
 
 
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """Within the block, fp32 is computed as fp32: no TF32 in matmuls (cuBLAS and attnzoo's
+    kernels follow ``torch.get_float32_matmul_precision()``) nor in cuDNN's convolutions (on by
+    default: QnA's depthwise convolutions). What a comparison against the float64 reference at
+    fp32's tolerance needs on a GPU; restored on exit."""
+    cudnn_tf32, precision = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        torch.set_float32_matmul_precision(precision)
+
+
 class CheckResult(NamedTuple):
     """Errors of a backend on a :class:`Case`, measured as :data:`TOLERANCE` says."""
     forward: float
@@ -570,10 +586,12 @@ def _error(got: torch.Tensor, ref: torch.Tensor) -> float:
 def check_case(case: Case, backend: str, backward: bool = True) -> CheckResult:
     """Run ``case`` on ``backend`` and on the torch reference in float64 (on the same values:
     the case's inputs, rounded to its dtype), the output and, with ``backward``, the gradients
-    of every input; return the largest errors (see :data:`TOLERANCE`). A backend that cannot
+    of every input, fp32 without TF32 (:func:`exact_fp32`); return the largest errors (see
+    :data:`TOLERANCE`). A backend that cannot
     run the case raises :class:`BackendUnsupportedError` (:func:`case_support` tells first)."""
     dtype = case.inputs[0].dtype
-    out, grads = _run_case(case, case.inputs, backend, backward, dtype)
+    with exact_fp32():  # fp32 rows compare fp32 itself, not TF32, with the reference
+        out, grads = _run_case(case, case.inputs, backend, backward, dtype)
     ref, ref_grads = _run_case(case, [t.to(torch.float64) for t in case.inputs], "torch",
                                backward, dtype)
     return CheckResult(_error(out, ref), max(map(_error, grads, ref_grads)) if backward else None)

@@ -380,7 +380,7 @@ def _cmd_check(args, parser) -> int:
     device = _check_device(parser, args.device)
     choice = args.dtype or ("all" if device.type == "cuda" else "fp32")
     dtypes = list(_CHECK_DTYPES) if choice == "all" else [choice]
-    ops, names = backends.registered_ops(), args.backend or backends.CONCRETE_BACKENDS
+    ops, names = args.op or backends.registered_ops(), args.backend or backends.CONCRETE_BACKENDS
     print(f"attnzoo check: {len(ops)} ops x {', '.join(names)} on {device}, "
           f"{', '.join(dtypes)}: each op's check cases, the output and every input's gradient "
           "against the float64 torch reference (error: max |got - ref| / max(1, max |ref|))")
@@ -652,6 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="NAME",
                    help=f"backends to check, of {', '.join(backends.CONCRETE_BACKENDS)} "
                         "(default: all)")
+    p.add_argument("--op", nargs="+", default=None, choices=backends.registered_ops(),
+                   metavar="OP", help=f"ops to check, of {', '.join(backends.registered_ops())} "
+                                      "(default: all)")
     p.set_defaults(func=_cmd_check, parser=p)
 
     p = command("timm", "run a timm script (train.py, validate.py, benchmark.py, inference.py) "

@@ -110,6 +110,17 @@ def part_ops(args, device, dtype) -> List[dict]:
 # part 2: NA vs natten and FlexAttention at NAT-tiny's stage shapes
 # ---------------------------------------------------------------------------------------------
 
+def raise_recompile_limit(limit: int = 256) -> None:
+    """flex_attention compiles a graph per shape and pass, more than Dynamo's default recompile
+    limit (8) over part 2's cases: past it Dynamo would run the later cases eagerly."""
+    import torch._dynamo
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):  # the names differ between torch versions
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), limit))
+
+
 def flex_na(shape, kernel: int, dilation: int, device, compile_: bool):
     """FlexAttention computing 2-D NA (clamped windows per dilation group, no RPB) on
     ``[B, H, W, heads, d]``; returns fn(q, k, v) or raises if this torch lacks it."""
@@ -129,6 +140,8 @@ def flex_na(shape, kernel: int, dilation: int, device, compile_: bool):
         return (axis_ok(q_idx // W, kv_idx // W, H) & axis_ok(q_idx % W, kv_idx % W, W))
 
     block_mask = create_block_mask(mask_mod, None, None, H * W, H * W, device=str(device))
+    if compile_:
+        raise_recompile_limit()
     attend = torch.compile(flex_attention, dynamic=False) if compile_ else flex_attention
 
     def fn(q, k, v):

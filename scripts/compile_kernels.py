@@ -61,7 +61,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import attnzoo  # noqa: E402
-from attnzoo import backends  # noqa: E402
+from attnzoo import backends, kernels  # noqa: E402
 from attnzoo.kernels import neighborhood as kn  # noqa: E402
 from attnzoo.kernels import qna as kq  # noqa: E402
 from attnzoo.kernels import san as ks  # noqa: E402
@@ -103,7 +103,7 @@ class Call(NamedTuple):
         backward, in ``config``."""
         q, k, v = (t.detach().requires_grad_() for t in (self.q, self.k, self.v))
         rpb = None if self.rpb is None else self.rpb.detach().requires_grad_()
-        with kn.capture_launches() as launches:
+        with kernels.capture_launches() as launches:
             kn.na_fused(q, k, v, self.kernel_size, self.dilation, rpb, self.scale,
                         config).backward(self.do)
         return {KERNELS[fn.__name__]: (fn, args, kwargs) for fn, _, args, kwargs in launches}
@@ -126,7 +126,7 @@ def model_calls(name: str, dtype: torch.dtype, batch: int = 2) -> List[Call]:
         with torch.device("meta"):
             model = timm.create_model(name).to(dtype)
         size = model.pretrained_cfg["input_size"]
-        with kn.capture_launches() as launches:
+        with kernels.capture_launches() as launches:
             model(torch.empty((batch,) + tuple(size), device="meta", dtype=dtype)).sum().backward()
     finally:
         na_layer.na2d_dispatch = real
@@ -158,22 +158,16 @@ def example_launches(op: str, dtype: torch.dtype) -> Dict[str, List[tuple]]:
     on the ``cuda`` backend, forward and backward, captured on meta tensors (the kernel module's
     support check is told yes: meta tensors are not CUDA tensors)."""
     module = OP_KERNELS[op]
-    launches = []
-
-    def record(kernel, grid, *args, warmup=False, **kwargs):
-        launches.append((kernel, args, kwargs))
-
     out = {}
-    real = module.launch_on_device, module.support
-    module.launch_on_device, module.support = record, lambda *args: None
+    real, module.support = module.support, lambda *args: None
     try:
         for label, run in backends.op_examples(op, "meta", dtype):
             backends.reset()
-            launches.clear()
-            run("cuda").float().sum().backward()
-            out[f"{op} {label}"] = list(launches)
+            with kernels.capture_launches() as launches:
+                run("cuda").float().sum().backward()
+            out[f"{op} {label}"] = [(fn, args, kwargs) for fn, _, args, kwargs in launches]
     finally:
-        module.launch_on_device, module.support = real
+        module.support = real
         backends.reset()
     return out
 

@@ -47,7 +47,7 @@ def _import_kernels_interpreted() -> None:
 if not torch.cuda.is_available():
     _import_kernels_interpreted()
 
-from attnzoo import backends  # noqa: E402  (after the kernels, which must come first)
+from attnzoo import backends, kernels  # noqa: E402  (after the kernel modules, imported first)
 
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
@@ -60,8 +60,13 @@ from timm_suite import plugin as _timm_suite_plugin  # noqa: E402
 @pytest.fixture(autouse=True)
 def backend_state(request, monkeypatch):
     """A clean backend state before and after every test (see the module docstring); in tests
-    marked ``interpreter``, on a machine without a GPU, TRITON_INTERPRET=1 too."""
+    marked ``interpreter``, on a machine without a GPU, TRITON_INTERPRET=1 too. No kernel
+    verification record either (neither the package's nor ATTNZOO_VERIFIED_KERNELS'): a test
+    that needs one writes it (the ``kernel_records`` fixture), so what ``auto`` picks on a GPU
+    does not change with the records the package ships."""
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.delenv(kernels.RECORDS_ENV, raising=False)
+    monkeypatch.setattr(kernels, "RECORDS_FILE", Path(os.devnull))
     if request.node.get_closest_marker("interpreter") and not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     backends.reset()
@@ -70,12 +75,28 @@ def backend_state(request, monkeypatch):
 
 
 @pytest.fixture
+def kernel_records(tmp_path, monkeypatch):
+    """``record(*verifications)``: the package's records file holds exactly these lines from
+    now on (a file in ``tmp_path``, read as the package's is)."""
+    def record(*verifications):
+        path = tmp_path / "verified.jsonl"
+        path.write_text("".join(v.to_line() + "\n" for v in verifications))
+        monkeypatch.setattr(kernels, "RECORDS_FILE", path)
+        backends.reset()
+        return path
+    return record
+
+
+@pytest.fixture
 def bounds_checked(monkeypatch):
     """Under the interpreter, every load and store of an attnzoo kernel launch (any family) must
     fall inside the elements of one of the tensors the launch was given (the interpreter reads
-    raw memory: a stray pointer reads whatever lies there and passes unnoticed)."""
+    raw memory: a stray pointer reads whatever lies there and passes unnoticed). On a GPU the
+    kernels are compiled and this check does nothing: the same tests run on CUDA tensors there,
+    and the interpreter's check of their accesses is CI's (every test using it runs there)."""
     if torch.cuda.is_available():
-        pytest.skip("checks the interpreter's memory accesses")
+        yield
+        return
     import numpy as np
     from triton.runtime.interpreter import InterpreterBuilder
 
@@ -107,6 +128,7 @@ def bounds_checked(monkeypatch):
         check(ptrs, mask, "load"), load(self, ptrs, mask, *a))[1])
     monkeypatch.setattr(InterpreterBuilder, "create_masked_store", lambda self, ptrs, v, mask, *a: (
         check(ptrs, mask, "store"), store(self, ptrs, v, mask, *a))[1])
+    yield
 
 
 def pytest_configure(config):

@@ -3,6 +3,9 @@ float64 torch reference on the same (rounded) inputs. The reference itself is ch
 brute forces of tests/oracles.py by the op tests."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -39,24 +42,67 @@ def assert_matches_reference(out: torch.Tensor, grads: Sequence[torch.Tensor], r
                                    rtol=grad_tol, msg=lambda m: f"grad {name}: {m}")
 
 
-def check_auto_waits_for_a_verification(monkeypatch, family: str, op: str, call,
-                                        trusted) -> None:
-    """``family``'s kernels have no record of a validation on a GPU, so on a (simulated) H100
-    ``auto`` leaves ``call`` (a call key on ``cuda:0``) of ``op`` to the torch reference and
-    ``trusted(call)`` (the backend's answer to auto) says why; a record for sm_90 makes auto
-    pick the kernels."""
-    from attnzoo import backends, kernels
+H100 = ("NVIDIA H100 80GB HBM3", (9, 0), 227 << 10)  # name, capability, shared memory per block
 
-    assert kernels.VERIFIED[family] == ()
+
+def simulate_gpu(monkeypatch, gpu=H100, triton="3.6.0") -> None:
+    """Every CUDA device is ``gpu`` (compiled kernels, not the interpreter's), with Triton
+    ``triton`` installed: what ``auto`` reads to decide on the kernels (and NATTEN, where it is
+    installed, on the device's capability)."""
+    from attnzoo import backends, kernels
+    from attnzoo.kernels import tiling
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels, "device_info",
-                        lambda device: kernels.DeviceInfo("NVIDIA H100", (9, 0), 227 << 10))
-    backends._resolve.cache_clear()
-    assert "not been verified on sm_90" in trusted(call)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu[1])
+    monkeypatch.setattr(tiling, "INTERPRETED", False)
+    monkeypatch.setattr(kernels, "device_info", lambda device: kernels.DeviceInfo(*gpu))
+    monkeypatch.setattr(kernels, "triton_version", lambda: triton)
+    backends.reset()
+
+
+def verification(family: str, dtypes=("bfloat16",), arch="sm_90", triton="3.6.0"):
+    from attnzoo import kernels
+    return kernels.Verification(family, arch, tuple(dtypes), H100[0], "2026-11-26", "2.11.0",
+                                triton, "python scripts/gpu_verify.py --out gpu_verify")
+
+
+def check_auto_waits_for_a_verification(monkeypatch, kernel_records, family: str, op: str,
+                                        call, trusted) -> None:
+    """On a (simulated) H100 with Triton 3.6, ``auto`` leaves ``call`` (a call key of ``op`` on
+    ``cuda:0`` in bf16) to the torch reference until the records file holds a verification of
+    ``family`` on sm_90 in bf16 with a Triton 3.6.x, and ``trusted(call)`` (the backend's answer
+    to auto) says why; a record for another dtype, architecture or Triton minor does not do."""
+    from attnzoo import backends
+
+    assert call.dtype == torch.bfloat16
+    simulate_gpu(monkeypatch)
+    assert "not been verified on sm_90 (NVIDIA H100 80GB HBM3) in bfloat16 with Triton 3.6" \
+        in trusted(call)
     assert backends.resolve(op, call) == "torch"
-    record = kernels.Verification("sm_90", "NVIDIA H100", "2026-01-01",
-                                  f"pytest tests/test_kernels_{family}.py", "simulated")
-    monkeypatch.setitem(kernels.VERIFIED, family, (record,))
-    backends._resolve.cache_clear()
+    kernel_records(verification(family, ("float32", "float16")), verification(family, arch="sm_80"),
+                   verification(family, triton="3.7.0"))
+    assert backends.resolve(op, call) == "torch"
+    assert "(only with Triton 3.6.0 in float32, float16; Triton 3.7.0 in bfloat16)" \
+        in trusted(call)
+    kernel_records(verification(family, ("float32", "bfloat16"), triton="3.6.1"))
+    assert trusted(call) is None
     assert backends.resolve(op, call) == "cuda"
-    backends._resolve.cache_clear()
+    assert backends.resolve(op, call._replace(dtype=torch.float16)) == "torch"
+    simulate_gpu(monkeypatch, triton="3.7.0")  # a user with another Triton minor: not trusted
+    assert backends.resolve(op, call) == "torch"
+    simulate_gpu(monkeypatch, triton="3.6.2")
+    assert backends.resolve(op, call) == "cuda"
+
+
+def rerun_without_a_gpu(request) -> bool:
+    """On a GPU host, run the calling test again in a process that sees no GPU (its kernels then
+    interpreted, as on CI) and assert it passes; ``True`` when it did, and the caller returns.
+    For tests of what only the interpreter shows (its memory accesses, its calls)."""
+    if not torch.cuda.is_available():
+        return False
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+        cwd=request.config.rootpath, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    return True

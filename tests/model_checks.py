@@ -171,15 +171,9 @@ def check_backends_agree(model: torch.nn.Module, x: torch.Tensor, backends=("cud
     in cuDNN's convolutions and in matmuls while it runs."""
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
-    cudnn_tf32, precision = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    try:
+    with attnzoo.backends.exact_fp32():
         for backend in backends:
             results.append(_logits_and_grads(model, x, params, backend))
-    finally:
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
-        torch.set_float32_matmul_precision(precision)
     (ref, ref_grads), others = results[-1], results[:-1]
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for logits, grads in others:

@@ -54,6 +54,17 @@ def test_check_on_cpu_passes_and_says_why_each_backend_does_not_run(monkeypatch,
     assert out.rstrip().endswith(" case(s) checked, every error within tolerance")
 
 
+def test_check_takes_the_ops_to_check(capsys):
+    assert cli.main(["check", "--device", "cpu", "--backend", "torch", "--op", "na1d",
+                     "san_aggregation"]) == 0
+    assert set(_rows(capsys.readouterr().out)) == {("na1d", "torch", "fp32"),
+                                                   ("san_aggregation", "torch", "fp32")}
+    with pytest.raises(SystemExit) as info:
+        cli.main(["check", "--op", "na3d"])
+    assert info.value.code == 2
+    assert "argument --op: invalid choice: 'na3d'" in capsys.readouterr().err
+
+
 @pytest.fixture
 def wrong_cuda(monkeypatch):
     """na2d's `cuda` backend replaced by one supported everywhere that runs the torch reference
@@ -100,8 +111,8 @@ def test_check_exits_1_naming_the_op_backend_and_case_a_wrong_backend_fails(
         assert re.search(r"^fp32: worst error forward nan \(na2d on cuda\)", out, re.M)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
-def test_check_on_cuda_without_a_gpu_is_one_line_exit_2(capsys):
+def test_check_on_cuda_without_a_gpu_is_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on CI, on a GPU host too
     with pytest.raises(SystemExit) as info:
         cli.main(["check", "--device", "cuda"])
     assert info.value.code == 2
@@ -110,13 +121,14 @@ def test_check_on_cuda_without_a_gpu_is_one_line_exit_2(capsys):
 
 
 @pytest.mark.skipif(bool(kernels.triton_missing()), reason=str(kernels.triton_missing()))
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs them compiled instead")
 def test_check_passes_the_triton_kernels_under_the_interpreter():
     """What a user without a GPU runs to check the kernels: TRITON_INTERPRET=1 set before
-    attnzoo is imported, in a fresh process (the op's small check cases only)."""
+    attnzoo is imported, in a fresh process (the op's small check cases only; a GPU host's
+    GPU hidden from it)."""
     result = subprocess.run(
         [sys.executable, "-m", "attnzoo", "check", "--device", "cpu", "--backend", "cuda"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1"),
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1",
+                           CUDA_VISIBLE_DEVICES=""),
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _rows(result.stdout)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,9 @@ from attnzoo.kernels.tiling import Tiling  # noqa: E402
 from attnzoo.ops import na1d, na2d  # noqa: E402
 from attnzoo.ops import neighborhood as nbh  # noqa: E402
 import model_checks  # noqa: E402
-from kernel_checks import assert_matches_reference, weighted_grads  # noqa: E402
+from kernel_checks import (  # noqa: E402
+    assert_matches_reference, check_auto_waits_for_a_verification, rerun_without_a_gpu,
+    verification, weighted_grads)
 from tiny_models import NAT_MINI_CUT  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -218,11 +221,13 @@ def test_interior_tiles_match_the_reference(shape, kernel, dilation, dtype, boun
     ((1, 10, 13, 1, 16), (5, 3), (1, 2)),
     ((1, 1, 40, 1, 16), (1, 7), (1, 3)),
 ], ids=["2d", "1d"])
-def test_logit_work_counts_what_the_kernels_compute(shape, kernel, dilation, monkeypatch):
+def test_logit_work_counts_what_the_kernels_compute(shape, kernel, dilation, monkeypatch,
+                                                    request):
     """tiling.logit_work against the kernels themselves: the blocks each launch streams
-    (calls of region_block under the interpreter) times the tile and block sizes."""
-    if torch.cuda.is_available():
-        pytest.skip("counts the interpreter's calls")
+    (calls of region_block under the interpreter, which a GPU host runs in a process without
+    its GPU) times the tile and block sizes."""
+    if rerun_without_a_gpu(request):
+        return
     launches, run, region_block = [], kn._run, kn.region_block
 
     def counting_run(kernel_fn, grid, *args, **kwargs):
@@ -360,13 +365,14 @@ GPUS = [_GPU("NVIDIA H100 80GB HBM3", 9, 0, 227 << 10), _GPU("NVIDIA A10", 8, 6,
 @pytest.fixture
 def simulated_gpus(monkeypatch):
     """Compiled kernels on a host with the GPUs above (torch's device query answers per
-    index); the current device is cuda:1, and each query is counted."""
+    index); the current device is cuda:1, and each query of an index is counted (NATTEN's
+    support check, when installed, asks for the current device's: ``None``, not counted)."""
     queried = []
     monkeypatch.setattr(tiling, "INTERPRETED", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: queried.append(index) or GPUS[index])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: GPUS[1] if (
+        index is None) else queried.append(index) or GPUS[index])
     kernels._cuda_device_info.cache_clear()
     kernels._note_unverified.cache_clear()
     yield queried
@@ -405,29 +411,77 @@ def test_every_reason_is_given_at_once(simulated_gpus):
     assert all(reason in str(info.value) for reason in reasons)
 
 
-def test_auto_runs_the_kernels_only_on_verified_architectures(simulated_gpus, monkeypatch,
-                                                              caplog):
-    """A record of a validation on an H100 (sm_90) makes auto pick the kernels on cuda:0;
+def test_auto_runs_the_kernels_only_where_a_record_covers_the_call(monkeypatch, kernel_records):
+    """auto leaves a CUDA call to the torch reference until a verification record in the data
+    file covers its architecture, dtype and Triton minor (kernel_checks says which)."""
+    check_auto_waits_for_a_verification(monkeypatch, kernel_records, "neighborhood", "na2d",
+                                        _call("cuda:0"), nbh._kernels_trusted)
+
+
+def test_auto_judges_each_device_by_its_own_architecture(simulated_gpus, monkeypatch,
+                                                        kernel_records, caplog):
+    """A record of a verification on an H100 (sm_90) makes auto pick the kernels on cuda:0;
     cuda:1 (sm_86) has none: auto goes on down its order, while an explicit backend="cuda"
     runs the kernels there."""
-    assert kernels.VERIFIED["neighborhood"] == ()  # never run on a GPU: auto never picks them
-    assert backends.resolve("na2d", _call("cuda:0")) != "cuda"
-    backends._resolve.cache_clear()
-    record = kernels.Verification("sm_90", GPUS[0].name, "2026-01-01",
-                                  "pytest tests/test_kernels_neighborhood.py", "simulated")
-    monkeypatch.setitem(kernels.VERIFIED, "neighborhood", (record,))
-    assert kernels.verified("neighborhood", "cuda:0") == record
+    monkeypatch.setattr(kernels, "triton_version", lambda: "3.6.0")
+    assert backends.resolve("na2d", _call("cuda:0")) == "torch"  # no record
+    record = verification("neighborhood", ("bfloat16", "float16"))
+    kernel_records(record)
+    assert kernels.verified("neighborhood", "cuda:0", torch.bfloat16) == record
     assert backends.resolve("na2d", _call("cuda:0")) == "cuda"
     with caplog.at_level(logging.INFO, logger="attnzoo.kernels"):
         assert backends.resolve("na2d", _call("cuda:1")) == "torch"  # rpb: not NATTEN >= 0.20
-        backends.resolve("na2d", _call("cuda:1", torch.float16))
-    assert caplog.text.count("not been verified on sm_86 (NVIDIA A10)") == 1  # once per arch
+        backends.resolve("na2d", _call("cuda:1"))
+        backends._resolve.cache_clear()
+        backends.resolve("na2d", _call("cuda:1"))
+    assert caplog.text.count("not been verified on sm_86 (NVIDIA A10) in bfloat16") == 1  # once
     assert backends.resolve("na2d", _call("cuda:1"), "cuda") == "cuda"
 
 
+def test_the_package_records_are_well_formed(monkeypatch):
+    """The shipped records file (attnzoo/kernels/verified.jsonl, package data in the wheel) is
+    what auto reads, and each of its lines a record that round-trips through its line."""
+    path = Path(kernels.__file__).with_name("verified.jsonl")
+    assert "kernels/verified.jsonl" in (ROOT / "pyproject.toml").read_text()  # package data
+    monkeypatch.setattr(kernels, "RECORDS_FILE", path)
+    backends.reset()
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(kernels.records()) == len(lines)
+    for record, line in zip(kernels.records(), lines):
+        assert record.to_line() == line and record.family in kernels.FAMILIES
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", "not a JSON object"),
+    ('{"family": "neighborhood"}', "exactly the fields"),
+    (verification("nat").to_line(), "family 'nat' is not one of"),
+    (verification("qna", arch="90").to_line(), "arch '90' is not like 'sm_90'"),
+    (verification("qna", ("fp16",)).to_line(), "dtypes ['fp16'] must be some of"),
+    (verification("qna", triton="latest").to_line(), "triton 'latest' is not a version"),
+])
+def test_a_malformed_record_is_an_error_naming_its_file_and_line(line, message, kernel_records,
+                                                                 monkeypatch, tmp_path):
+    """A record auto cannot read raises with its place, never passes for no record; so does a
+    file ATTNZOO_VERIFIED_KERNELS names that cannot be read."""
+    path = kernel_records(verification("san"))
+    path.write_text(path.read_text() + line + "\n")
+    with pytest.raises(ValueError, match=f"verified.jsonl, line 2: .*{re.escape(message)}"):
+        kernels.records()
+    kernel_records(verification("san"))
+    extra = tmp_path / "mine.jsonl"
+    extra.write_text(verification("qna", ("float32",)).to_line() + "\n")
+    monkeypatch.setenv(kernels.RECORDS_ENV, os.pathsep.join([str(extra), str(tmp_path / "no")]))
+    backends.reset()
+    with pytest.raises(ValueError, match="cannot read the kernel verification records .*no"):
+        kernels.records()
+    monkeypatch.setenv(kernels.RECORDS_ENV, str(extra))
+    backends.reset()
+    assert [r.family for r in kernels.records()] == ["san", "qna"]  # the package's, then yours
+
+
 class _Compiled:  # what the autotuner reads of a compiled Triton kernel
-    def __init__(self, spills, fits=True):
-        self.n_spills, self.fits = spills, fits
+    def __init__(self, spills, fits=True, error=None):
+        self.n_spills, self.fits, self.error = spills, fits, error
 
     def _init_handles(self):
         if not self.fits:
@@ -435,23 +489,42 @@ class _Compiled:  # what the autotuner reads of a compiled Triton kernel
             raise OutOfResources(300_000, 232_448, "shared memory")
 
 
-def test_autotuner_keeps_the_fastest_config_that_fits_without_spills():
-    compiled = {"a": _Compiled(0), "b": _Compiled(0), "c": _Compiled(8), "d": _Compiled(0, False)}
-    times = {"a": 3.0, "b": 2.0, "c": 1.0, "d": 0.5}
+def test_autotuner_keeps_the_fastest_config_that_compiles_and_fits_without_spills(caplog):
+    compiled = {"a": _Compiled(0), "b": _Compiled(0), "c": _Compiled(8), "d": _Compiled(0, False),
+                "e": _Compiled(0, error=RuntimeError("PassManager::run failed\n(MLIR dump)"))}
+    times = {"a": 3.0, "b": 2.0, "c": 1.0, "d": 0.5, "e": 0.1}
     launched = []
 
     def launch(config, warmup=False):
         if warmup:
+            if compiled[config].error:
+                raise compiled[config].error
             return compiled[config]
         launched.append(config)
 
     tuner = kernels.Autotuner(bench=lambda fn: fn() or times[launched[-1]])
-    assert tuner.choose("key", "abcd", launch, tune=True) == "b"   # c spills, d does not fit
+    with caplog.at_level(logging.WARNING, logger="attnzoo.kernels"):
+        # c spills, d does not fit, e does not compile (its reason logged)
+        assert tuner.choose("key", "abcde", launch, tune=True) == "b"
+    assert "configuration e of key does not compile, left out: RuntimeError: PassManager::run " \
+           "failed" in caplog.text and "MLIR dump" not in caplog.text
     assert sorted(launched) == ["a", "b"]
     assert tuner.choose("key", "abcd", launch, tune=True) == "b" and len(launched) == 2  # cached
     assert tuner.choose("other", "abcd", launch, tune=False) == "a"  # untuned: the default
     compiled["a"] = compiled["b"] = _Compiled(16)
     assert tuner.choose("spilling", "abcd", launch, tune=True) == "c"  # all spill: the fewest
+    with pytest.raises(RuntimeError, match="no configuration of nothing fits this GPU.*compile "
+                                           "errors: e: RuntimeError: PassManager"):
+        tuner.choose("nothing", "de", launch, tune=True)
+
+
+def test_autotuning_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(tiling, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert kernels.can_tune(torch.device("cuda:0"))
+    monkeypatch.setenv(kernels.AUTOTUNE_ENV, "0")
+    assert not kernels.can_tune(torch.device("cuda:0"))
+    assert not kernels.can_tune(torch.device("cpu"))
 
 
 def test_configurations_over_the_shared_memory_limit_are_left_out():
@@ -461,6 +534,21 @@ def test_configurations_over_the_shared_memory_limit_are_left_out():
     limit = max(need.values()) - 1
     fitting = kn.configs(*args, shared_limit=limit)
     assert fitting and fitting == [c for c in space if need[c] <= limit] != space
+
+
+@pytest.mark.parametrize("kernel,dtype,shared_kib,stages", [
+    ("dq", torch.bfloat16, 163, 1),   # sm80: Triton 3.6 spills the 2-stage default
+    ("dq", torch.bfloat16, 227, 2),   # sm90
+    ("dq", torch.float32, 163, 2),
+    ("dkdv", torch.float16, 99, 1),   # sm86 / sm89
+    ("dkdv", torch.float16, 163, 2),
+])
+def test_the_untuned_default_takes_one_stage_where_two_spill(kernel, dtype, shared_kib, stages):
+    """scripts/compile_kernels.py found the 2-stage default spilling there (BENCHMARKS.md); the
+    autotuner still tries both."""
+    space = kn.configs(kernel, (28, 28), (7, 7), (4, 4), (32, 32), dtype, shared_kib << 10)
+    assert space[0].num_stages == stages
+    assert {c.num_stages for c in space} == {1, 2}
 
 
 def test_cuda_backend_limits_give_reasons():

@@ -124,10 +124,11 @@ def test_every_reason_is_given_at_once():
     assert all(reason in str(info.value) for reason in reasons)
 
 
-def test_auto_runs_the_kernels_only_on_verified_architectures(monkeypatch):
-    """No record for QnA (never run on a GPU): auto leaves a CUDA call to the torch reference;
-    a record for the GPU's architecture makes auto pick the kernels."""
-    check_auto_waits_for_a_verification(monkeypatch, "qna", "qna2d", _call("cuda:0"),
+def test_auto_runs_the_kernels_only_where_a_record_covers_the_call(monkeypatch, kernel_records):
+    """auto leaves a CUDA call to the torch reference until a verification record in the data
+    file covers its architecture, dtype and Triton minor (kernel_checks says which)."""
+    check_auto_waits_for_a_verification(monkeypatch, kernel_records, "qna", "qna2d",
+                                        _call("cuda:0", torch.bfloat16),
                                         qna_module._kernels_trusted)
 
 

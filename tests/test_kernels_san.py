@@ -164,9 +164,7 @@ def test_unsupported_calls_name_every_reason():
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    if ks.LIMITS.reasons("cpu", torch.float32, ()) and DEVICE == "cuda":
-        pytest.skip("compiled kernels (a GPU): CPU tensors are refused anyway")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels (a GPU) refuse them anyway
     backends._resolve.cache_clear()
     (reason,) = ks.not_supported_reasons("cpu", torch.float32)
     assert "run on CUDA tensors" in reason and "TRITON_INTERPRET=1" in reason
@@ -176,11 +174,12 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["san_aggregation", "san_subtraction", "san_subtraction2"])
-def test_auto_runs_the_kernels_only_on_verified_architectures(monkeypatch, op):
-    """No record for SAN (never run on a GPU): auto leaves a CUDA call to the torch reference;
-    a record for the GPU's architecture makes auto pick the kernels."""
-    check_auto_waits_for_a_verification(monkeypatch, "san", op, _call(),
-                                        san_module._kernels_trusted)
+def test_auto_runs_the_kernels_only_where_a_record_covers_the_call(monkeypatch, kernel_records,
+                                                                   op):
+    """auto leaves a CUDA call to the torch reference until a verification record in the data
+    file covers its architecture, dtype and Triton minor (kernel_checks says which)."""
+    check_auto_waits_for_a_verification(monkeypatch, kernel_records, "san", op,
+                                        _call(dtype=torch.bfloat16), san_module._kernels_trusted)
 
 
 def test_auto_never_picks_the_interpreter():

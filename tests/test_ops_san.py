@@ -195,7 +195,7 @@ def test_backends(op):
         call()
     with pytest.raises(BackendUnsupportedError, match="Triton"):  # CPU, no interpreter
         _calls(backend="cuda")[op]()
-    # auto never picks natten, nor the cuda kernels where they are unverified (all GPUs today)
+    # auto never picks natten, nor the cuda kernels without a record (none in the tests)
     key = backends._OPS[op].key_type("cuda:0", torch.float16, (7, 7), (1, 1), (1, 1),
                                      "reflect", True)
     assert backends.resolve(op, key) == "torch"

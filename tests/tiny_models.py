@@ -78,6 +78,17 @@ def qna_vit(**kwargs) -> QnAViT:
     return QnAViT(**dict(QNA_VIT_SMALL, **kwargs)).eval()
 
 
+# Whole models through Triton's interpreter (a second or more per kernel launch) in seconds: one
+# or two stages, narrow, for 32 px inputs (NA's dilation 2 there: four groups of 4 x 4).
+NAT_ONE_STAGE = dict(depths=(1,), embed_dim=16, num_heads=(1,), mlp_ratio=1., kernel_size=3,
+                     dilations=((2,),), num_classes=5, drop_path_rate=0.)
+QNA_VIT_TWO_STAGES = dict(embed_dim=16, qna_depths=(1, 0), lsa_depths=(0, 1), qna_heads=(2, 4),
+                          lsa_heads=(1, 2), kernel_size=(3, 3), window_sizes=(4, 4),
+                          num_classes=5, drop_path_rate=0.)
+SAN_TWO_STAGES = dict(depths=(1, 1), widths=(16, 16), kernel_sizes=(3, 3), stem_width=8,
+                      share_planes=2, padding_mode="zeros", num_classes=5)
+
+
 # QUEST-ViT: 32 px, 8 px patches, two blocks of three heads.
 QUEST_VIT_TINY = dict(img_size=32, patch_size=8, embed_dim=24, depth=2, num_heads=3,
                       num_classes=5)

@@ -1,10 +1,11 @@
 """attnzoo's fused GPU kernels, written in Triton (the ``cuda`` backend of the ops).
 
-One module per op family (``neighborhood.py``, ``qna.py``, ``san.py``), each exposing a
-``torch.autograd.Function`` with forward and backward; ``tiling.py`` holds what the families'
-kernels share (window arithmetic, query tiles and the key regions they stream, strided loads,
-the online-softmax step, the precision rule, the work count). This module holds what their host
-code shares:
+One module per op family (``neighborhood.py``, ``qna.py``, ``san.py``), each running its
+kernels as ``torch.library`` custom ops, forward and backward (autograd registered on them), so
+that torch.compile and torch.fx see one opaque call each way and never the host code;
+``tiling.py`` holds what the families' kernels share (window arithmetic, query tiles and the key
+regions they stream, strided loads, the online-softmax step, the precision rule, the work
+count). This module holds what their host code shares:
 
 **Support.** A family declares what it supports as data, a :class:`KernelLimits` (dtypes,
 largest head dim, smallest compute capability), and answers "can you run this call?" with
@@ -19,13 +20,21 @@ against the device's limit. A device is named as torch names it, with its index 
 ``"cuda"`` is the current device): :func:`device_info` reads that device's own properties,
 cached per index, never the current device's.
 
-**Tuning.** :class:`Autotuner`: the fastest of a few launch configurations per key (shape,
-kernel size, dilation, head dim, dtype, device), timed once per process on the call's device;
-the first configuration without a GPU to time on.
+**Launching.** :func:`launch_on_device`, every family's launch point, which
+:func:`capture_launches` turns into a record of the launches (scripts/compile_kernels.py compiles
+them without a GPU).
 
-**Verification.** :data:`VERIFIED` records, per family, the GPU architectures on which the
-kernels passed their validation on a real GPU. ``auto`` sends a call to a family's kernels only
-on a verified architecture (:func:`verified`); ``backend="cuda"`` runs them anywhere.
+**Tuning.** :class:`Autotuner`: the fastest of a few launch configurations per key (shape,
+kernel size, dilation, head dim, dtype, device), timed once per process on the call's device
+(one whose compile fails is left out, with its reason logged); the first configuration without
+a GPU to time on, or with ``ATTNZOO_AUTOTUNE=0``.
+
+**Verification.** The records of where each family's kernels passed their verification on a
+real GPU are data: ``verified.jsonl`` beside this module, one :class:`Verification` per line
+(family, GPU architecture, dtypes, GPU name, date, torch and Triton versions, the command), and
+the files ``ATTNZOO_VERIFIED_KERNELS`` names. ``auto`` sends a call to a family's kernels only
+where a record covers its architecture and dtype and the installed Triton has the record's
+major.minor (:func:`verified`); ``backend="cuda"`` runs them anywhere.
 
 Triton is optional: importing :mod:`attnzoo.kernels` does not import it. The kernels run on CUDA
 tensors; on CPU tensors only under Triton's interpreter, which is how CI proves them correct:
@@ -36,15 +45,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
-from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
+import re
+from pathlib import Path
+from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Tuple
 
 import torch
 
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
-           "Autotuner", "Verification", "VERIFIED", "verified", "unverified", "launch_on_device"]
+           "Autotuner", "Verification", "records", "record_files", "verified", "unverified",
+           "launch_on_device", "capture_launches", "capturing", "kernel_op"]
 
 _logger = logging.getLogger(__name__)
 
@@ -176,12 +190,56 @@ def _interpreted() -> bool:
     return INTERPRETED
 
 
+# the list capture_launches yields, while it is active
+_captured: Optional[List[tuple]] = None
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[List[tuple]]:
+    """Record the kernels' launches (every family's) instead of running them: within it, each
+    one is appended as ``(kernel, grid, args, kwargs)`` to the list it yields, and the families'
+    custom ops run their host code on plain meta tensors (:func:`capturing`).
+    scripts/compile_kernels.py runs models and ops on meta tensors under it and compiles every
+    launch for sm80-sm90 without a GPU."""
+    global _captured
+    previous, _captured = _captured, []
+    try:
+        yield _captured
+    finally:
+        _captured = previous
+
+
+def capturing(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`capture_launches` is active and ``tensors`` are plain meta tensors (not
+    the fake tensors of a torch.compile trace): a custom op's fake implementation then runs the
+    host code, whose launches are captured."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return _captured is not None and not any(isinstance(t, FakeTensor) for t in tensors)
+
+
+def kernel_op(name: str, impl: Callable[..., Any], schema: str,
+              fake: Callable[..., Any]) -> Any:
+    """``impl`` (host code that launches kernels) as the custom op ``attnzoo::name`` of
+    ``schema``, mutating nothing: torch.compile and torch.fx see one opaque call, never the host
+    code. ``fake`` gives its outputs' shapes to a trace; while launches are captured on plain
+    meta tensors (:func:`capturing`), ``impl`` itself runs there."""
+    op = torch.library.custom_op(f"attnzoo::{name}", impl, mutates_args=(), schema=schema)
+
+    @op.register_fake
+    def _(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        return (impl if capturing(*tensors) else fake)(*args, **kwargs)
+    return op
+
+
 def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
-    """Launch Triton ``kernel`` on the device of its first argument. Triton launches on the
-    current CUDA device, so eager calls are guarded (a compiled graph guards devices itself).
+    """Launch Triton ``kernel`` on the device of its first argument (Triton launches on the
+    current CUDA device, so the launch is guarded), or record it (:func:`capture_launches`).
     ``warmup``: compile only, and return the compiled kernel (the autotuner reads its spills)."""
-    eager_cuda = args[0].is_cuda and not torch.compiler.is_compiling()
-    with torch.cuda.device(args[0].device) if eager_cuda else contextlib.nullcontext():
+    if _captured is not None:
+        _captured.append((kernel, grid, args, kwargs))
+        return None
+    with torch.cuda.device(args[0].device) if args[0].is_cuda else contextlib.nullcontext():
         if warmup:
             return kernel.warmup(*args, grid=grid, **kwargs)
         kernel[grid](*args, **kwargs)
@@ -203,10 +261,13 @@ class Autotuner:
     ``choose(key, configs, launch, tune)``: with ``tune`` (compiled kernels on a CUDA device,
     outside torch.compile tracing and CUDA-graph capture), the first time ``key`` is seen it
     compiles every config (``launch(config, warmup=True)`` returns Triton's compiled kernel),
-    leaves out those that do not fit the device (``OutOfResources``) or spill registers (unless
-    all do), times the others with ``launch(config)`` (the launches must be idempotent: they
-    rewrite the same outputs) and keeps the fastest. Without ``tune`` (the interpreter, CPU,
-    tracing), the first config, unless the key was tuned before."""
+    leaves out those that do not fit the device (``OutOfResources``), fail to compile (any other
+    error of Triton's compiler: logged with its reason, as a WARNING of logger
+    ``attnzoo.kernels``) or spill registers (unless all do), times the others with
+    ``launch(config)`` (the launches must be idempotent: they rewrite the same outputs) and keeps
+    the fastest. Without ``tune`` (the interpreter, CPU, tracing, ``ATTNZOO_AUTOTUNE=0``), the
+    first config, unless the key was tuned before. A compiler that aborts the process cannot be
+    caught here: scripts/gpu_verify.py runs each stage in a process of its own for that."""
 
     def __init__(self, bench: Callable[[Callable[[], Any]], float] = _bench_ms):
         self.bench = bench
@@ -219,7 +280,7 @@ class Autotuner:
         if not tune or len(configs) == 1:
             return configs[0]
         from triton.runtime.errors import OutOfResources
-        spills = {}
+        spills, failed = {}, []
         for i, config in enumerate(configs):
             try:
                 compiled = launch(config, warmup=True)
@@ -227,8 +288,15 @@ class Autotuner:
                 spills[i] = compiled.n_spills
             except OutOfResources:
                 pass
+            except Exception as e:  # noqa: BLE001 - a compiler error rules out that config only
+                from ..profiling import first_line  # compiler errors run to pages
+                reason = f"{type(e).__name__}: {first_line(e)}"
+                failed.append(f"{config}: {reason}")
+                _logger.warning("attnzoo: configuration %s of %s does not compile, left out: %s",
+                                config, key, reason)
         if not spills:
-            raise RuntimeError(f"no configuration of {key} fits this GPU: {list(configs)}")
+            raise RuntimeError(f"no configuration of {key} fits this GPU: {list(configs)}"
+                               + (f"; compile errors: {'; '.join(failed)}" if failed else ""))
         fewest = min(spills.values())
         times = {i: self.bench(lambda: launch(configs[i])) for i, n in spills.items()
                  if n == fewest}
@@ -236,58 +304,141 @@ class Autotuner:
         return self.best[key]
 
 
+AUTOTUNE_ENV = "ATTNZOO_AUTOTUNE"
+
+
 def can_tune(device: torch.device) -> bool:
-    """Whether launches on ``device`` may be timed now (see :class:`Autotuner`)."""
+    """Whether launches on ``device`` may be timed now (see :class:`Autotuner`);
+    ``ATTNZOO_AUTOTUNE=0`` turns tuning off (each launch takes its default configuration)."""
     return (device.type == "cuda" and not _interpreted() and not torch.compiler.is_compiling()
-            and not torch.cuda.is_current_stream_capturing())
+            and not torch.cuda.is_current_stream_capturing()
+            and os.environ.get(AUTOTUNE_ENV, "1").strip() != "0")
 
 
 # ---------------------------------------------------------------------------------------------
 # verification
 # ---------------------------------------------------------------------------------------------
 
+# The records of where each family's kernels passed their verification on a real GPU: one JSON
+# object per line (scripts/gpu_verify.py prints the lines to add). Data, not code: recording a
+# verification is adding a line. ATTNZOO_VERIFIED_KERNELS names more such files (os.pathsep
+# between them): a user's own verification, on a GPU or Triton the package's records do not cover.
+RECORDS_FILE = Path(__file__).with_name("verified.jsonl")
+RECORDS_ENV = "ATTNZOO_VERIFIED_KERNELS"
+FAMILIES = ("neighborhood", "qna", "san")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 class Verification(NamedTuple):
-    """One validation of a kernel family on a real GPU."""
-    arch: str        # "sm_90"
-    gpu: str         # torch.cuda.get_device_name()
-    date: str        # ISO date
-    commands: str    # what passed, e.g. "pytest tests/test_kernels_neighborhood.py"
-    versions: str    # "torch 2.x, triton 3.x"
+    """One verification of a kernel family on a real GPU: what ``auto`` trusts, for
+    ``arch`` and ``dtypes`` only, and with a Triton of the same major.minor as ``triton``."""
+    family: str                # "neighborhood", "qna" or "san"
+    arch: str                  # "sm_90"
+    dtypes: Tuple[str, ...]    # ("float32", "bfloat16")
+    gpu: str                   # torch.cuda.get_device_name()
+    date: str                  # ISO date
+    torch: str                 # torch.__version__ there
+    triton: str                # triton.__version__ there
+    command: str               # what passed: "python scripts/gpu_verify.py --out DIR"
+
+    def to_line(self) -> str:
+        """The record as its line of the data file."""
+        fields = self._asdict()
+        fields["dtypes"] = list(self.dtypes)
+        return json.dumps(fields, ensure_ascii=False)
+
+    @classmethod
+    def from_line(cls, line: str, where: str = "a record") -> "Verification":
+        """Parse one line of a records file; a ``ValueError`` says what is wrong and where."""
+        try:
+            fields = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not a JSON object ({e})") from None
+        if not isinstance(fields, dict) or set(fields) != set(cls._fields):
+            got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+            raise ValueError(f"{where}: a record has exactly the fields {', '.join(cls._fields)}; "
+                             f"got {got}")
+        record = cls(**{**fields, "dtypes": tuple(fields["dtypes"])})
+        problems = []
+        if record.family not in FAMILIES:
+            problems.append(f"family {record.family!r} is not one of {', '.join(FAMILIES)}")
+        if not re.fullmatch(r"sm_\d+", str(record.arch)):
+            problems.append(f"arch {record.arch!r} is not like 'sm_90'")
+        unknown = [d for d in record.dtypes if d not in _DTYPES]
+        if not record.dtypes or unknown:
+            problems.append(f"dtypes {list(record.dtypes)!r} must be some of {', '.join(_DTYPES)}")
+        if _major_minor(record.triton) is None:
+            problems.append(f"triton {record.triton!r} is not a version like '3.6.0'")
+        if problems:
+            raise ValueError(f"{where}: " + "; ".join(problems))
+        return record
 
 
-# Per family, the GPU architectures where its kernels passed the kernel tests (compiled, on
-# CUDA tensors) and `attnzoo check --device cuda` against the torch reference. Empty: the
-# kernels have been verified under Triton's interpreter and compiled for sm80-sm90, but have
-# never run on a GPU. Add a Verification after those commands pass on a GPU (README, "Attention
-# backends").
-VERIFIED: Dict[str, Tuple[Verification, ...]] = {
-    "neighborhood": (),
-    "qna": (),
-    "san": (),
-}
+def _major_minor(version: str) -> Optional[Tuple[int, int]]:
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    return (int(match[1]), int(match[2])) if match else None
 
 
-def verified(family: str, device: str) -> Optional[Verification]:
-    """The record of ``family``'s validation on ``device``'s architecture, or ``None``."""
-    arch = device_info(device).arch
-    return next((v for v in VERIFIED.get(family, ()) if v.arch == arch), None)
+def record_files() -> List[Path]:
+    """The records files read: the package's, then those ``ATTNZOO_VERIFIED_KERNELS`` names."""
+    extra = os.environ.get(RECORDS_ENV, "")
+    return [RECORDS_FILE] + [Path(p) for p in extra.split(os.pathsep) if p.strip()]
 
 
-def unverified(family: str, device: str, kernels: str) -> Optional[str]:
-    """A family's answer to ``auto`` (its backend's ``trusted``): ``None`` on a GPU whose
-    architecture :data:`VERIFIED` records for ``family``, else why not (``kernels`` names them:
-    "the cuda NA kernels"), logged once per architecture and process. An explicit
-    ``backend="cuda"`` does not ask."""
+@functools.lru_cache(maxsize=1)
+def records() -> Tuple[Verification, ...]:
+    """Every verification record (:func:`record_files`), read once per process (a missing or
+    malformed file raises: a record that cannot be read must not pass for none)."""
+    found = []
+    for path in record_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read the kernel verification records {path} "
+                             f"({e.strerror}); check {RECORDS_ENV}") from None
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                found.append(Verification.from_line(line, f"{path}, line {number}"))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def verified(family: str, device: str, dtype: torch.dtype) -> Optional[Verification]:
+    """The record that makes ``auto`` trust ``family``'s kernels for ``dtype`` on ``device``'s
+    architecture with the installed Triton (same major.minor), or ``None``."""
+    arch, version = device_info(device).arch, _major_minor(triton_version())
+    name = str(dtype).replace("torch.", "")
+    return next((r for r in records() if r.family == family and r.arch == arch
+                 and name in r.dtypes and _major_minor(r.triton) == version), None)
+
+
+def unverified(family: str, device: str, dtype: torch.dtype, kernels: str) -> Optional[str]:
+    """A family's answer to ``auto`` (its backend's ``trusted``): ``None`` where a record
+    covers the call (:func:`verified`), else why not (``kernels`` names them: "the cuda NA
+    kernels"), logged once per reason and process. An explicit ``backend="cuda"`` does not ask."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return "no GPU here (Triton's interpreter is for tests)"
-    if verified(family, device) is not None:
+    if verified(family, device, dtype) is not None:
         return None
     info = device_info(device)
-    reason = f"{kernels} have not been verified on {info.arch} ({info.name})"
+    name = str(dtype).replace("torch.", "")
+    reason = (f"{kernels} have not been verified on {info.arch} ({info.name}) in {name} with "
+              f"Triton {'.'.join(map(str, _major_minor(triton_version()) or ()))}")
+    others = sorted({f"Triton {r.triton} in {', '.join(r.dtypes)}" for r in records()
+                     if r.family == family and r.arch == info.arch})
+    if others:
+        reason += f" (only with {'; '.join(others)})"
     _note_unverified(reason)
     return reason
 
 
 @functools.lru_cache(maxsize=None)
-def _note_unverified(reason: str) -> None:  # once per family, architecture and process
-    _logger.info("attnzoo: %s: auto leaves them out there; backend='cuda' runs them", reason)
+def _note_unverified(reason: str) -> None:  # once per reason and process
+    _logger.info("attnzoo: %s: auto leaves them out; backend='cuda' runs them, and "
+                 "scripts/gpu_verify.py verifies them on this GPU (README, 'Attention backends')",
+                 reason)

@@ -18,7 +18,8 @@ Backward, FlashAttention-2 style, recomputing the probabilities from the log-sum
 
 Host side: each kernel's launch configuration (tiling, warps, pipeline stages) comes from a
 small autotune space per call (:func:`configs`: the tiling of least logit work first), timed on
-the GPU once per process (:class:`~attnzoo.kernels.Autotuner`). What the kernels support is
+the GPU once per process (:class:`~attnzoo.kernels.Autotuner`); the passes run as the custom
+ops ``attnzoo::na_fused`` and ``attnzoo::na_fused_backward``. What the kernels support is
 declared as data (:data:`LIMITS`, :data:`MAX_KERNEL_SIZE`) and checked per device, with the
 shared memory of the smallest configuration (:func:`shared_memory`, an upper bound that
 scripts/compile_kernels.py checks against every compiled launch) against the device's limit
@@ -26,23 +27,23 @@ scripts/compile_kernels.py checks against every compiled launch) against the dev
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import Autotuner, KernelLimits, can_tune, device_info, launch_on_device, tiling
+from . import (Autotuner, KernelLimits, can_tune, device_info, kernel_op, launch_on_device,
+               tiling)
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, store_rows, tile_positions,
                      to_base2, to_source)
 
-__all__ = ["NeighborhoodAttention", "na_fused", "support", "not_supported_reasons",
-           "call_reasons", "configs", "shared_memory", "capture_launches", "Config", "LIMITS",
-           "KERNELS", "INTERPRETED", "MAX_KERNEL_SIZE", "MAX_HEAD_DIM", "DTYPES"]
+__all__ = ["na_fused", "support", "not_supported_reasons", "call_reasons", "configs",
+           "shared_memory", "Config", "LIMITS", "KERNELS", "INTERPRETED", "MAX_KERNEL_SIZE",
+           "MAX_HEAD_DIM", "DTYPES"]
 
 MAX_KERNEL_SIZE = 13
 MAX_HEAD_DIM = 128
@@ -298,6 +299,7 @@ KERNELS = ("fwd", "dq", "dkdv")  # forward; backward: dQ (+ rpb), then dK and dV
 # except on 16-bit pieces of 256 logits (scripts/compile_kernels.py).
 STAGES = (2, 1)
 SMALL_SHARED = 128 << 10  # under it: sm86 / sm89 (99 KiB per block); A100 163, H100 227
+LARGE_SHARED = 200 << 10  # between the two: sm80 (A100, 163 KiB); above: sm90 (H100, 227)
 TUNE_SLACK = 1.1
 MAX_LOGITS = 1024
 
@@ -373,9 +375,13 @@ def _configs(kernel, spatial, kernel_size, dilation, head_dims, dtype, exact_fp3
     (least, best), rest = ranked[0], ranked[1:2]
     warps = _warps(best, row_bytes, exact_fp32)
     stages = STAGES
-    if kernel == "dkdv" and shared_limit is not None and shared_limit < SMALL_SHARED:
-        # ptxas spills 8 B of the dK/dV kernel at 2 stages for sm86/sm89 (99 KiB per block),
-        # not at 1 (scripts/compile_kernels.py): the untuned default takes 1 stage there
+    # Where ptxas spills the 2-stage default and not the 1-stage one (scripts/compile_kernels.py),
+    # the untuned default takes 1 stage (the autotuner tries both): the dK/dV kernel on sm86 /
+    # sm89 (8 B), and with Triton 3.6 the dQ kernel of 16-bit inputs on sm80 (4 B, 8x8 tiles).
+    if shared_limit is not None and (
+            kernel == "dkdv" and shared_limit < SMALL_SHARED
+            or kernel == "dq" and dtype.itemsize == 2
+            and SMALL_SHARED <= shared_limit < LARGE_SHARED):
         stages = STAGES[::-1]
     space = [Config(best, warps[0], stages[0]), Config(best, warps[1], STAGES[0]),
              Config(best, warps[0], stages[1])]
@@ -425,27 +431,9 @@ def support(device: str, dtype: torch.dtype, head_dim: int, v_dim: int,
 _TUNER = Autotuner()
 
 
-_captured: Optional[List[tuple]] = None  # the list capture_launches yields, while it is active
-
-
-@contextlib.contextmanager
-def capture_launches() -> Iterator[List[tuple]]:
-    """Record the kernels' launches instead of running them: within it, each one is appended as
-    ``(kernel, grid, args, kwargs)`` to the list it yields. scripts/compile_kernels.py runs the
-    host code on meta tensors under it and compiles every launch for sm80-sm90 without a GPU."""
-    global _captured
-    previous, _captured = _captured, []
-    try:
-        yield _captured
-    finally:
-        _captured = previous
-
-
 def _run(kernel, grid, *args, warmup=False, **kwargs):
-    # The one launch point (see capture_launches); ``warmup``: see kernels.launch_on_device.
-    if _captured is not None:
-        _captured.append((kernel, grid, args, kwargs))
-        return None
+    # The one launch point of these kernels (tests observe launches here); see
+    # kernels.launch_on_device, which also captures them for scripts/compile_kernels.py.
     return launch_on_device(kernel, grid, *args, warmup=warmup, **kwargs)
 
 
@@ -529,41 +517,82 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
     return dq, (dk if need_kv_grad else None), (dv if need_kv_grad else None), drpb
 
 
-class NeighborhoodAttention(torch.autograd.Function):
-    """2-D NA on ``[B, H, W, heads, d]`` (1-D as ``H = 1``): ``apply(q, k, v, rpb, kernel_size,
-    dilation, scale, config)``; ``rpb`` ``[heads, 2KH-1, 2KW-1]`` in q's dtype or ``None``;
-    ``config`` a :class:`Config` forcing every kernel's, or ``None`` (:func:`configs`)."""
+# The passes as custom ops (kernels.kernel_op: a compiled model never traces the autotuner, the
+# device query or the launch). ``config``: a Config as 5 ints (tiling, warps, stages) forcing
+# every kernel's, or empty (the autotuner's choice).
 
-    @staticmethod
-    def forward(ctx, q, k, v, rpb, kernel_size, dilation, scale, config=None):
-        o, lse = _forward(q, k, v, rpb, kernel_size, dilation, scale, config)
-        ctx.save_for_backward(q, k, v, rpb, o, lse)
-        ctx.args = (kernel_size, dilation, scale, config)
-        return o
+def _na_impl(q, k, v, rpb, kernel_size, dilation, scale, config):
+    return _forward(q, k, v, rpb, tuple(kernel_size), tuple(dilation), scale, _config(config))
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, rpb, o, lse = ctx.saved_tensors
-        kernel_size, dilation, scale, config = ctx.args
-        need = ctx.needs_input_grad
-        dq, dk, dv, drpb = _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale,
-                                     rpb is not None and need[3], need[1] or need[2], config)
-        return dq, dk, dv, drpb, None, None, None, None
+
+_na_op = kernel_op(
+    "na_fused", _na_impl,
+    "(Tensor q, Tensor k, Tensor v, Tensor? rpb, int[] kernel_size, int[] dilation, float scale, "
+    "int[] config) -> (Tensor, Tensor)",
+    lambda q, k, v, *_: (q.new_empty(q.shape[:-1] + v.shape[-1:]),  # o, lse [B, heads, H, W]
+                         q.new_empty((q.shape[0], q.shape[3]) + q.shape[1:3],
+                                     dtype=torch.float32)))
+
+
+def _na_backward_impl(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, rpb_grad,
+                      kv_grad, config):
+    grads = _backward(do, q, k, v, rpb, o, lse, tuple(kernel_size), tuple(dilation), scale,
+                      rpb_grad, kv_grad, _config(config))
+    return tuple(q.new_empty(0) if g is None else g for g in grads)  # empty: not computed
+
+
+def _na_backward_fake(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, rpb_grad, kv_grad,
+                      config):
+    return (torch.empty_like(q), torch.empty_like(k) if kv_grad else q.new_empty(0),
+            torch.empty_like(v) if kv_grad else q.new_empty(0),
+            q.new_empty(rpb.shape, dtype=torch.float32) if rpb_grad else q.new_empty(0))
+
+
+_na_backward_op = kernel_op(
+    "na_fused_backward", _na_backward_impl,
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor? rpb, Tensor o, Tensor lse, "
+    "int[] kernel_size, int[] dilation, float scale, bool rpb_grad, bool kv_grad, int[] config) "
+    "-> (Tensor, Tensor, Tensor, Tensor)", _na_backward_fake)
+
+
+def _config(ints) -> Optional[Config]:
+    return Config(Tiling(*ints[:3]), *ints[3:]) if ints else None
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, rpb, kernel_size, dilation, scale, config = inputs
+    ctx.save_for_backward(q, k, v, rpb, *output)
+    ctx.args = (kernel_size, dilation, scale)
+    ctx.config = config
+
+
+def _autograd_backward(ctx, do, _):
+    q, k, v, rpb, o, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    rpb_grad, kv_grad = rpb is not None and need[3], need[1] or need[2]
+    dq, dk, dv, drpb = _na_backward_op(do, q, k, v, rpb, o, lse, *ctx.args, rpb_grad, kv_grad,
+                                       ctx.config)
+    return (dq, dk if kv_grad else None, dv if kv_grad else None,
+            drpb.to(rpb.dtype) if rpb_grad else None) + (None,) * 4
+
+
+_na_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
              dilation: Tuple[int, ...], rpb: Optional[torch.Tensor], scale: float,
              config: Optional[Config] = None) -> torch.Tensor:
     """The ``cuda`` backend of ``na1d`` / ``na2d``: arguments as
-    :func:`attnzoo.ops.neighborhood.na_reference` (already validated). The bias is cast to q's
-    dtype first, as the reference does."""
+    :func:`attnzoo.ops.neighborhood.na_reference` (already validated); ``config`` a
+    :class:`Config` forcing every kernel's, or ``None`` (the autotuner's choice among
+    :func:`configs`). The bias is cast to q's dtype first, as the reference does."""
     if rpb is not None:
         rpb = rpb.to(q.dtype).contiguous()
+    ints = [] if config is None else [*config.tiling, config.num_warps, config.num_stages]
     if len(kernel_size) == 1:  # 1-D is 2-D with H = 1
-        out = NeighborhoodAttention.apply(
-            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
-            None if rpb is None else rpb.unsqueeze(1), (1,) + tuple(kernel_size),
-            (1,) + tuple(dilation), float(scale), config)
+        out, _ = _na_op(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
+                        None if rpb is None else rpb.unsqueeze(1), [1, *kernel_size],
+                        [1, *dilation], float(scale), ints)
         return out.squeeze(1)
-    return NeighborhoodAttention.apply(q, k, v, rpb, tuple(kernel_size), tuple(dilation),
-                                       float(scale), config)
+    out, _ = _na_op(q, k, v, rpb, list(kernel_size), list(dilation), float(scale), ints)
+    return out

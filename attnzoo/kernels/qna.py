@@ -30,11 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelLimits, launch_on_device
+from . import KernelLimits, kernel_op, launch_on_device
 from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions, to_base2
 
-__all__ = ["QnAttention", "qna_fused", "support", "not_supported_reasons", "call_reasons",
-           "LIMITS"]
+__all__ = ["qna_fused", "support", "not_supported_reasons", "call_reasons", "LIMITS"]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -307,21 +306,38 @@ def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries):
     return dlogits, dv, per_head(drpb), per_head(dws)
 
 
-class QnAttention(torch.autograd.Function):
-    """``apply(logits, v, rpb, window_weights, kernel_size, stride, sum_queries)`` with ``rpb``
-    and ``window_weights`` ``[L, heads, k, k]`` tensors (float32, contiguous)."""
+# The passes as custom ops (kernels.kernel_op), forward and backward.
 
-    @staticmethod
-    def forward(ctx, logits, v, rpb, ws, kernel_size, stride, sum_queries):
-        o, lse = _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries)
-        ctx.save_for_backward(logits, v, rpb, ws, lse)
-        ctx.args = (kernel_size, stride, sum_queries)
-        return o
+def _qna_fake(logits, v, rpb, ws, kernel_size, stride, sum_queries):
+    geo = _geometry(logits, v, kernel_size, stride, sum_queries)
+    B, L, heads, d = logits.shape[0], geo["L"], geo["heads"], geo["D"]
+    shape = (B, geo["Ho"], geo["Wo"]) + ((heads, d) if sum_queries else (L, heads, d))
+    return v.new_empty(shape), v.new_empty((B, geo["Ho"], geo["Wo"], L, heads),
+                                           dtype=torch.float32)
 
-    @staticmethod
-    def backward(ctx, g):
-        logits, v, rpb, ws, lse = ctx.saved_tensors
-        return _backward(g, logits, v, rpb, ws, lse, *ctx.args) + (None,) * 3
+
+_qna_op = kernel_op(
+    "qna_fused", _forward,
+    "(Tensor logits, Tensor v, Tensor rpb, Tensor ws, int kernel_size, int stride, "
+    "bool sum_queries) -> (Tensor, Tensor)", _qna_fake)
+_qna_backward_op = kernel_op(
+    "qna_fused_backward", _backward,
+    "(Tensor g, Tensor logits, Tensor v, Tensor rpb, Tensor ws, Tensor lse, int kernel_size, "
+    "int stride, bool sum_queries) -> (Tensor, Tensor, Tensor, Tensor)",
+    lambda g, *inputs: tuple(torch.empty_like(t) for t in inputs[:4]))
+
+
+def _setup_context(ctx, inputs, output):
+    logits, v, rpb, ws, kernel_size, stride, sum_queries = inputs
+    ctx.save_for_backward(logits, v, rpb, ws, output[1])
+    ctx.args = (kernel_size, stride, sum_queries)
+
+
+def _autograd_backward(ctx, g, _):
+    return _qna_backward_op(g, *ctx.saved_tensors, *ctx.args) + (None,) * 3
+
+
+_qna_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def qna_fused(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
@@ -334,5 +350,6 @@ def qna_fused(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor]
     shape = (L, heads, kernel_size, kernel_size)
     rpb = logits.new_zeros(shape) if rpb is None else rpb
     ws = logits.new_ones(shape) if window_weights is None else window_weights
-    return QnAttention.apply(logits, v, rpb.float().contiguous(), ws.float().contiguous(),
-                             kernel_size, stride, sum_queries)
+    out, _ = _qna_op(logits, v, rpb.float().contiguous(), ws.float().contiguous(), kernel_size,
+                     stride, sum_queries)
+    return out

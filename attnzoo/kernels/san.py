@@ -26,18 +26,17 @@ products accumulate in fp32.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import KernelLimits, launch_on_device
+from . import KernelLimits, kernel_op, launch_on_device
 from .tiling import pow2, program_tile, tile_positions
 
-__all__ = ["SANSubtraction", "SANAggregation", "support", "not_supported_reasons",
-           "call_reasons", "LIMITS", "san_subtraction_fused", "san_subtraction2_fused",
-           "san_aggregation_fused"]
+__all__ = ["support", "not_supported_reasons", "call_reasons", "LIMITS",
+           "san_subtraction_fused", "san_subtraction2_fused", "san_aggregation_fused"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LIMITS = KernelLimits("attnzoo's Triton SAN kernels", DTYPES, max_head_dim=0)
@@ -102,12 +101,11 @@ def _output_of(u, i, STRIDE: tl.constexpr, DIL: tl.constexpr, PAD: tl.constexpr,
 def _gather_back(A, sat, sal, B, sby, sbx, y, x, mask, H, W, Ho, Wo,
                  KH: tl.constexpr, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                  SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                 REFLECT: tl.constexpr, WEIGHTED: tl.constexpr):
+                 REFLECT: tl.constexpr, WEIGHTED: tl.constexpr, acc):
     """For input pixels (y, x) (``[1, P]``) of a block of channels (``A``, ``B``: their
-    ``[BC, 1]`` bases; ``mask``: ``[BC, P]``): the sum over every (tap t, output l) whose
-    footprint reads the pixel of ``A[t * sat + l * sal]`` (times ``B`` at output l's (ho, wo)
-    when ``WEIGHTED``), in fp32, ``[BC, P]``."""
-    acc = tl.zeros(mask.shape, tl.float32)
+    ``[BC, 1]`` bases; ``mask``: ``[BC, P]``): ``acc`` (fp32, ``[BC, P]``) plus the sum over
+    every (tap t, output l) whose footprint reads the pixel of ``A[t * sat + l * sal]`` (times
+    ``B`` at output l's (ho, wo) when ``WEIGHTED``)."""
     for a in tl.static_range(3 if REFLECT else 1):
         uy, vy = _mirror(y, a, H, PH)
         for b in tl.static_range(3 if REFLECT else 1):
@@ -125,6 +123,19 @@ def _gather_back(A, sat, sal, B, sby, sbx, y, x, mask, H, W, Ho, Wo,
                             term *= tl.load(B + oy * sby + ox * sbx, mask=ok,
                                             other=0.).to(tl.float32)
                         acc += term
+    return acc
+
+
+@triton.jit
+def _centre_sum(g, sgt, sgl, y, x, valid, Wo, KH: tl.constexpr, KW: tl.constexpr,
+                SH: tl.constexpr, SW: tl.constexpr):
+    """Per input pixel (y, x): the sum of ``g`` over the taps of the output centred there (if
+    any), in fp32."""
+    centred = valid & (y % SH == 0) & (x % SW == 0)
+    l = (y // SH) * Wo + x // SW
+    acc = tl.zeros(valid.shape, tl.float32)
+    for t in range(KH * KW):
+        acc += tl.load(g + t * sgt + l * sgl, mask=centred, other=0.).to(tl.float32)
     return acc
 
 
@@ -168,17 +179,18 @@ def _subtraction_bwd_kernel(
     n, c, c_ok, y, x, inside = _block_tile(C, H, W, BC, TH, TW)
     valid = c_ok & inside
     g = G + n * sgn + c * sgc
-    dx2 = -_gather_back(g, sgt, sgl, g, 0, 0, y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH, SW,
-                        PH, PW, REFLECT, False)
-    centred = valid & (y % SH == 0) & (x % SW == 0)
-    l = (y // SH) * Wo + x // SW
-    dx1 = tl.zeros(valid.shape, tl.float32)
-    for t in range(KH * KW):
-        dx1 += tl.load(g + t * sgt + l * sgl, mask=centred, other=0.).to(tl.float32)
     pixel = (n * C + c) * H * W + y * W + x
-    if SAME:
-        tl.store(DX1 + pixel, (dx1 + dx2).to(DX1.dtype.element_ty), mask=valid)
+    # (the order of the two sums in each branch is the one ptxas spills nothing in, with
+    # Triton 3.6 and 3.8: scripts/compile_kernels.py)
+    if SAME:  # one accumulator: dx1 - (the gathered sum), summed from -dx1 and negated
+        dx1 = _centre_sum(g, sgt, sgl, y, x, valid, Wo, KH, KW, SH, SW)
+        dx = -_gather_back(g, sgt, sgl, g, 0, 0, y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH,
+                           SW, PH, PW, REFLECT, False, -dx1)
+        tl.store(DX1 + pixel, dx.to(DX1.dtype.element_ty), mask=valid)
     else:
+        dx2 = -_gather_back(g, sgt, sgl, g, 0, 0, y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH,
+                            SW, PH, PW, REFLECT, False, tl.zeros(valid.shape, tl.float32))
+        dx1 = _centre_sum(g, sgt, sgl, y, x, valid, Wo, KH, KW, SH, SW)
         tl.store(DX1 + pixel, dx1.to(DX1.dtype.element_ty), mask=valid)
         tl.store(DX2 + pixel, dx2.to(DX2.dtype.element_ty), mask=valid)
 
@@ -241,7 +253,8 @@ def _aggregation_bwd_input_kernel(
     n, c, c_ok, y, x, inside = _block_tile(C, H, W, BC, TH, TW)
     valid = c_ok & inside
     dx = _gather_back(WGT + n * swn + (c % Cw) * swc, swt, swl, GO + n * sgn + c * sgc, sgy, sgx,
-                      y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH, SW, PH, PW, REFLECT, True)
+                      y, x, valid, H, W, Ho, Wo, KH, KW, DH, DW, SH, SW, PH, PW, REFLECT, True,
+                      tl.zeros(valid.shape, tl.float32))
     tl.store(DX + (n * C + c) * H * W + y * W + x, dx.to(DX.dtype.element_ty), mask=valid)
 
 
@@ -300,77 +313,150 @@ def _subtraction_backward(g, shape, fp, same: bool):
     N, C, H, W = shape
     Ho, Wo = _out_size(fp, H, W)
     dx1 = g.new_empty(shape)
-    dx2 = dx1 if same else g.new_empty(shape)
-    launch_on_device(_subtraction_bwd_kernel, _grid(N, C, H, W), g, dx1, dx2, *g.stride(), C, H,
-                     W, Ho, Wo, SAME=same, **_geometry(fp, C))
+    dx2 = g.new_empty(0 if same else shape)  # same: the kernel sums both gradients into dx1
+    launch_on_device(_subtraction_bwd_kernel, _grid(N, C, H, W), g, dx1, dx1 if same else dx2,
+                     *g.stride(), C, H, W, Ho, Wo, SAME=same, **_geometry(fp, C))
     return dx1, dx2
 
 
-class SANSubtraction(torch.autograd.Function):
-    """``apply(x1, x2, fp)``: ``x1(centre) - x2(tap)``; ``x2=None`` for ``san_subtraction``
-    (``x1`` both times: one gradient, summed in the kernel)."""
-
-    @staticmethod
-    def forward(ctx, x1, x2, fp):
-        ctx.fp, ctx.shape, ctx.same = fp, x1.shape, x2 is None
-        return _subtraction_forward(x1, x1 if x2 is None else x2, fp)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        dx1, dx2 = _subtraction_backward(g, ctx.shape, ctx.fp, ctx.same)
-        if ctx.same:
-            return dx1, None, None
-        return dx1, dx2, None
+def _aggregation_forward(x, weight, fp):
+    N, C, H, W = x.shape
+    Ho, Wo = _out_size(fp, H, W)
+    out = x.new_empty(N, C, Ho, Wo)
+    launch_on_device(_aggregation_fwd_kernel, _grid(N, C, Ho, Wo), x, weight, out, *x.stride(),
+                     *weight.stride(), C, weight.shape[1], H, W, Ho, Wo, **_geometry(fp, C))
+    return out
 
 
-class SANAggregation(torch.autograd.Function):
-    """``apply(x, weight, fp)``: ``y_c(i) = sum_j weight_{c mod Cw}(i, j) x_c(j)``."""
+def _aggregation_backward(go, x, weight, fp, x_grad: bool, weight_grad: bool):
+    """(dx, dweight), each empty where not asked for."""
+    N, C, H, W = x.shape
+    Cw = weight.shape[1]
+    Ho, Wo = _out_size(fp, H, W)
+    dw = weight.new_empty(weight.shape if weight_grad else 0)  # [N, Cw, taps, Ho * Wo]
+    if weight_grad:
+        launch_on_device(_aggregation_bwd_weight_kernel, _grid(N, Cw, Ho, Wo), x, go, dw,
+                         *x.stride(), *go.stride(), C, Cw, H, W, Ho, Wo, **_geometry(fp, Cw))
+    dx = x.new_empty(x.shape if x_grad else 0)
+    if x_grad:
+        launch_on_device(_aggregation_bwd_input_kernel, _grid(N, C, H, W), weight, go, dx,
+                         *weight.stride(), *go.stride(), C, Cw, H, W, Ho, Wo, **_geometry(fp, C))
+    return dx, dw
 
-    @staticmethod
-    def forward(ctx, x, weight, fp):
-        N, C, H, W = x.shape
-        Ho, Wo = _out_size(fp, H, W)
-        out = x.new_empty(N, C, Ho, Wo)
-        launch_on_device(_aggregation_fwd_kernel, _grid(N, C, Ho, Wo), x, weight, out,
-                         *x.stride(), *weight.stride(), C, weight.shape[1], H, W, Ho, Wo,
-                         **_geometry(fp, C))
-        ctx.save_for_backward(x, weight)
-        ctx.fp = fp
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, go):
-        x, weight = ctx.saved_tensors
-        fp = ctx.fp
-        N, C, H, W = x.shape
-        Cw = weight.shape[1]
-        Ho, Wo = _out_size(fp, H, W)
-        dx = dw = None
-        if ctx.needs_input_grad[1]:
-            dw = weight.new_empty(N, Cw, fp.taps, Ho * Wo)
-            launch_on_device(_aggregation_bwd_weight_kernel, _grid(N, Cw, Ho, Wo), x, go, dw,
-                             *x.stride(), *go.stride(), C, Cw, H, W, Ho, Wo,
-                             **_geometry(fp, Cw))
-        if ctx.needs_input_grad[0]:
-            dx = x.new_empty(x.shape)
-            launch_on_device(_aggregation_bwd_input_kernel, _grid(N, C, H, W), weight, go, dx,
-                             *weight.stride(), *go.stride(), C, Cw, H, W, Ho, Wo,
-                             **_geometry(fp, C))
-        return dx, dw, None
+# The passes as custom ops (kernels.kernel_op), forward and backward.
+# A footprint travels as its fields (custom ops take plain types).
+
+class _Footprint(NamedTuple):  # the fields of attnzoo.ops.san.Footprint these kernels read
+    kernel_size: Tuple[int, int]
+    dilation: Tuple[int, int]
+    stride: Tuple[int, int]
+    padding_mode: str
+    padding: Tuple[int, int]
+    taps: int
+
+
+_FOOTPRINT = "int[] kernel_size, int[] dilation, int[] stride, str padding_mode, int[] padding"
+
+
+def _footprint(kernel_size, dilation, stride, padding_mode, padding) -> _Footprint:
+    return _Footprint(tuple(kernel_size), tuple(dilation), tuple(stride), padding_mode,
+                      tuple(padding), kernel_size[0] * kernel_size[1])
+
+
+def _fields(fp) -> tuple:
+    return (list(fp.kernel_size), list(fp.dilation), list(fp.stride), fp.padding_mode,
+            list(fp.padding))
+
+
+def _fake_out(x, fp, channels: int, taps: int = 0):
+    """An output of ``x``'s batch on ``fp``'s output grid: [N, channels, taps, Ho * Wo], or
+    [N, channels, Ho, Wo] without taps."""
+    N, _, H, W = x.shape
+    Ho, Wo = _out_size(fp, H, W)
+    return x.new_empty((N, channels, taps, Ho * Wo) if taps else (N, channels, Ho, Wo))
+
+
+def _subtraction_impl(x1, x2, *footprint):
+    return _subtraction_forward(x1, x1 if x2 is None else x2, _footprint(*footprint))
+
+
+def _subtraction_backward_impl(g, shape, same, *footprint):
+    return _subtraction_backward(g, tuple(shape), _footprint(*footprint), same)
+
+
+def _subtraction_fake(x1, x2, *footprint):
+    fp = _footprint(*footprint)
+    return _fake_out(x1, fp, x1.shape[1], fp.taps)
+
+
+_subtraction_op = kernel_op("san_subtraction_fused", _subtraction_impl,
+                            f"(Tensor x1, Tensor? x2, {_FOOTPRINT}) -> Tensor", _subtraction_fake)
+_subtraction_backward_op = kernel_op(
+    "san_subtraction_fused_backward", _subtraction_backward_impl,
+    f"(Tensor g, int[] shape, bool same, {_FOOTPRINT}) -> (Tensor, Tensor)",
+    lambda g, shape, same, *_: (g.new_empty(shape), g.new_empty(0 if same else shape)))
+
+
+def _subtraction_setup(ctx, inputs, output):
+    x1, x2, *footprint = inputs
+    ctx.args = (list(x1.shape), x2 is None, *footprint)
+
+
+def _subtraction_grads(ctx, g):
+    dx1, dx2 = _subtraction_backward_op(g, *ctx.args)
+    return (dx1, None if ctx.args[1] else dx2) + (None,) * 5
+
+
+_subtraction_op.register_autograd(_subtraction_grads, setup_context=_subtraction_setup)
+
+
+def _aggregation_impl(x, weight, *footprint):
+    return _aggregation_forward(x, weight, _footprint(*footprint))
+
+
+def _aggregation_backward_impl(go, x, weight, x_grad, weight_grad, *footprint):
+    return _aggregation_backward(go, x, weight, _footprint(*footprint), x_grad, weight_grad)
+
+
+_aggregation_op = kernel_op(
+    "san_aggregation_fused", _aggregation_impl,
+    f"(Tensor x, Tensor weight, {_FOOTPRINT}) -> Tensor",
+    lambda x, weight, *footprint: _fake_out(x, _footprint(*footprint), x.shape[1]))
+_aggregation_backward_op = kernel_op(
+    "san_aggregation_fused_backward", _aggregation_backward_impl,
+    f"(Tensor go, Tensor x, Tensor weight, bool x_grad, bool weight_grad, {_FOOTPRINT}) "
+    "-> (Tensor, Tensor)",
+    lambda go, x, weight, x_grad, weight_grad, *_: (x.new_empty(x.shape if x_grad else 0),
+                                                     weight.new_empty(weight.shape if weight_grad
+                                                                      else 0)))
+
+
+def _aggregation_setup(ctx, inputs, output):
+    x, weight, *footprint = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.footprint = footprint
+
+
+def _aggregation_grads(ctx, go):
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = _aggregation_backward_op(go, *ctx.saved_tensors, need_x, need_w, *ctx.footprint)
+    return (dx if need_x else None, dw if need_w else None) + (None,) * 5
+
+
+_aggregation_op.register_autograd(_aggregation_grads, setup_context=_aggregation_setup)
 
 
 def san_subtraction_fused(x, fp):
     """The ``cuda`` backend of ``san_subtraction`` (arguments validated by the op)."""
-    return SANSubtraction.apply(x, None, fp)
+    return _subtraction_op(x, None, *_fields(fp))
 
 
 def san_subtraction2_fused(x1, x2, fp):
     """The ``cuda`` backend of ``san_subtraction2``."""
-    return SANSubtraction.apply(x1, x2, fp)
+    return _subtraction_op(x1, x2, *_fields(fp))
 
 
 def san_aggregation_fused(x, weight, fp):
     """The ``cuda`` backend of ``san_aggregation``."""
-    return SANAggregation.apply(x, weight, fp)
+    return _aggregation_op(x, weight, *_fields(fp))

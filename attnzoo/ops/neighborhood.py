@@ -514,10 +514,11 @@ def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):
 
 
 def _kernels_trusted(call: NACall) -> Optional[str]:
-    """``auto`` runs our kernels only on GPU architectures where they passed their validation (a
-    record in :data:`attnzoo.kernels.VERIFIED`; none until they have run on a GPU); an explicit
+    """``auto`` runs our kernels only where a verification record covers the call's GPU
+    architecture, dtype and Triton (:func:`attnzoo.kernels.verified`); an explicit
     ``backend="cuda"`` always runs them."""
-    return kernels.unverified("neighborhood", call.device, "the cuda NA kernels")
+    return kernels.unverified("neighborhood", call.device, call.dtype,
+                              "the cuda NA kernels")
 
 
 def _na_macs(q, k, v, kernel_size, dilation, rpb, scale) -> int:
@@ -594,7 +595,8 @@ for _n in (1, 2):
                                              limits=_natten_limits),
                   "cuda": backends.Backend(_na_cuda, _cuda_support, _kernels_trusted,
                                            _cuda_limits)})
-backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear)
+backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear,
+                  kernels.triton_version.cache_clear, kernels.records.cache_clear)
 
 
 # --------------------------------------------------------------------------------------------
@@ -634,8 +636,8 @@ def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntO
     torch's own fp32 matmuls); by default (``"highest"``) they are computed in exact fp32.
     The first call of each shape, kernel size, dilation, head dim and dtype on a GPU times a
     few launch configurations of each kernel (cached for the process). ``auto`` picks these
-    kernels only on GPU architectures where they have been verified
-    (:data:`attnzoo.kernels.VERIFIED`); ``backend="cuda"`` runs them on any supported GPU.
+    kernels only where a verification record covers the GPU's architecture, the dtype and the
+    Triton (:func:`attnzoo.kernels.verified`); ``backend="cuda"`` runs them on any supported GPU.
     """
     return _na(2, q, k, v, kernel_size, dilation, rpb, scale, backend)
 

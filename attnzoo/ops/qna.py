@@ -414,9 +414,11 @@ def _qna_cuda(logits, v, rpb, window_weights, kernel_size, stride, sum_queries):
 
 
 def _kernels_trusted(call: QnACall) -> Optional[str]:
-    """``auto`` runs the QnA kernels only on GPU architectures where they passed their
-    validation (:data:`attnzoo.kernels.VERIFIED`); ``backend="cuda"`` always runs them."""
-    return kernels.unverified("qna", call.device, "the cuda QnA kernels")
+    """``auto`` runs the QnA kernels only where a verification record covers the call's GPU
+    architecture, dtype and Triton (:func:`attnzoo.kernels.verified`); ``backend="cuda"``
+    always runs them."""
+    return kernels.unverified("qna", call.device, call.dtype,
+                              "the cuda QnA kernels")
 
 
 def _qna_macs(logits, v, rpb, window_weights, kernel_size, stride, sum_queries) -> int:

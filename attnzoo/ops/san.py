@@ -302,9 +302,11 @@ def _cuda(op: str):
 
 
 def _kernels_trusted(call: SANCall) -> Optional[str]:
-    """``auto`` runs the SAN kernels only on GPU architectures where they passed their
-    validation (:data:`attnzoo.kernels.VERIFIED`); ``backend="cuda"`` always runs them."""
-    return kernels.unverified("san", call.device, "the cuda SAN kernels")
+    """``auto`` runs the SAN kernels only where a verification record covers the call's GPU
+    architecture, dtype and Triton (:func:`attnzoo.kernels.verified`); ``backend="cuda"``
+    always runs them."""
+    return kernels.unverified("san", call.device, call.dtype,
+                              "the cuda SAN kernels")
 
 
 def _subtraction_macs(x: torch.Tensor, fp: Footprint) -> int:
