@@ -430,7 +430,13 @@ def record_calls() -> Iterator[Dict[str, List[tuple]]]:
 
 
 # torch.export (the ONNX dynamo exporter included) sets this flag; torch < 2.5 has no such flag.
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+# The flag is read, not torch.compiler.is_exporting(): torch 2.11's Dynamo folds that call to
+# True under every torch.compile, which would put compiled models on the export formulas.
+if hasattr(torch.compiler, "_is_exporting_flag"):
+    def _is_exporting() -> bool:
+        return torch.compiler._is_exporting_flag
+else:
+    _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def exporting() -> bool:

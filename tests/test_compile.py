@@ -52,6 +52,23 @@ def test_default_compile_has_no_graph_break():
     assert explanation.graph_count == 1
 
 
+def test_a_compiled_model_is_not_exporting():
+    """torch.compile is no export: the ops keep their backends (torch 2.11's Dynamo folds
+    torch.compiler.is_exporting() to True under any torch.compile; a test of that call would have
+    put every compiled model on the export formulas, and the cuda backend on none of its kernels).
+    torch.export is one, where torch has the flag (>= 2.5)."""
+    from attnzoo import backends
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if backends.exporting() else x - 1
+
+    x = torch.zeros(1)
+    assert torch.compile(Probe(), backend="eager", fullgraph=True)(x).item() == -1
+    if hasattr(torch.compiler, "is_exporting"):
+        assert torch.export.export(Probe(), (x,)).module()(x).item() == 1
+
+
 def test_unsupported_backend_raises_its_own_error_under_compile():
     model = nat(NAT_SHALLOW, backend="cuda").eval()  # the layers ask for cuda explicitly; CPU input
     compiled = torch.compile(model, backend="aot_eager")
