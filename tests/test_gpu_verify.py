@@ -150,12 +150,14 @@ def test_the_verdict_holds_each_finding_against_its_family_and_dtype():
         dict(id="a", outcome="failed", family="qna", dtype="float16"),
         dict(id="b", outcome="skipped", family="san", dtype=None),
         dict(id="c", outcome="failed", family=None, dtype="bfloat16"),  # the reference
-        dict(id="d", outcome="passed", family="neighborhood", dtype=None)],
+        dict(id="d", outcome="passed", family="neighborhood", dtype=None),
+        dict(id="e", outcome="skipped", family="qna", dtype=None,  # kernel_checks.INTERPRETER_ONLY
+             reason="Skipped: interpreter-only: Triton 3.6's interpreter cannot run here")],
         "check": {"failed": [dict(op="na2d", backend="cuda", dtype="float32", label="x")]}}
     problems = {(f, d): gpu_verify._problems("tests", tests, f, d)
                 for f in gpu_verify.FAMILIES for d in gpu_verify.DTYPES}
     assert problems["qna", "float16"] == ["a failed"]
-    assert problems["qna", "float32"] == []
+    assert problems["qna", "float32"] == []  # e: listed in the summary, no verdict
     assert problems["san", "float32"] == ["b skipped"]  # a skip is no pass
     assert problems["neighborhood", "bfloat16"] == ["c failed"]  # everyone's reference
     assert problems["neighborhood", "float32"] == ["attnzoo check: na2d/cuda/float32 x"]
