@@ -44,6 +44,24 @@ def _import_kernels_interpreted() -> None:
             os.environ["TRITON_INTERPRET"] = previous
 
 
+def _keep_registered_builtins_alive() -> None:
+    # TorchScript keys its table of builtin functions by id(). torch registers each op it looks
+    # up there (torch._ops._get_packet) and drops the op again when a torch.library fragment
+    # goes away; a later object can then take the freed id and be scripted as that builtin
+    # ("builtin cannot be used as a value" on a Conv2d's padding list, once in CI). Holding a
+    # reference to everything registered keeps every id taken.
+    from torch.jit import _builtins
+
+    register, kept = _builtins._register_builtin, []
+
+    def register_and_keep(fn, op):
+        kept.append(fn)
+        register(fn, op)
+
+    _builtins._register_builtin = register_and_keep
+
+
+_keep_registered_builtins_alive()
 if not torch.cuda.is_available():
     _import_kernels_interpreted()
 
