@@ -43,6 +43,8 @@ from . import backends, ops  # noqa: E402
 from .backends import BackendUnsupportedError, get_backend, set_backend, use_backend  # noqa: E402
 from . import layers, models  # noqa: F401,E402  (models registers the models with timm)
 from .models import list_models  # noqa: E402
+from .layers import AttentionMap, attention_maps, record_attention  # noqa: E402
 
 __all__ = ["backends", "ops", "layers", "models", "list_models", "use_backend", "set_backend",
-           "get_backend", "BackendUnsupportedError", "TIMM_FLOOR", "__version__"]
+           "get_backend", "BackendUnsupportedError", "AttentionMap", "attention_maps",
+           "record_attention", "TIMM_FLOOR", "__version__"]

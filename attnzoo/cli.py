@@ -8,6 +8,7 @@
 ``attnzoo export MODEL[.TAG] OUT.onnx``  an ONNX graph onnxruntime runs (timm's onnx_export)
 ``attnzoo timm SCRIPT.py [ARGS...]``    run one of timm's scripts with attnzoo's models registered
 ``attnzoo check``                       every op on every backend here against the float64 reference
+``attnzoo attention MODEL IMAGE``       one query's attention in one layer, drawn over the image
 
 Also ``python -m attnzoo ...``, which works as one process of a torchrun launch, from a timm clone
 too: ``torchrun --nproc_per_node=N -m attnzoo timm train.py --config ...`` (README "Train").
@@ -376,6 +377,95 @@ def _cmd_export(args, parser) -> int:
     return 0
 
 
+def _query(text: str):
+    try:
+        y, x = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Y,X (pixels of the image), got {text!r}")
+    return y, x
+
+
+def _head(text: str):
+    if text in ("mean", "all"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected mean, all or a head index, got {text!r}")
+
+
+def _cmd_attention(args, parser) -> int:
+    """Draw one query's attention weights in one layer over the image (the model's own input,
+    the whole image resized to the model's input size and normalised as its config says)."""
+    import timm
+    from PIL import Image
+
+    from .layers import attention_maps
+    from .visualize import draw_attention, query_grid, query_heat
+
+    _check_model(parser, args.model)
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error('drawing needs matplotlib, not installed: pip install matplotlib (or pip '
+                     'install "attnzoo[plot]")')
+    if args.pretrained and args.checkpoint:
+        parser.error("--pretrained and --checkpoint: give one")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        parser.error(f"-o {args.out}: folder {out_dir} does not exist")
+    try:
+        image = Image.open(args.image).convert("RGB")
+    except (OSError, ValueError) as e:
+        parser.error(f"{args.image}: cannot read the image: {_one_line(e)}")
+    try:
+        model = timm.create_model(args.model, pretrained=args.pretrained,
+                                  checkpoint_path=args.checkpoint or "",
+                                  **dict(args.model_kwargs)).eval()
+    except (RuntimeError, TypeError, ValueError, OSError) as e:
+        where = f"--checkpoint {args.checkpoint}" if args.checkpoint else (
+            f"cannot build {args.model}")
+        parser.error(f"{where}: {_one_line(e)}")
+    if not (args.pretrained or args.checkpoint):
+        print(f"no --checkpoint or --pretrained: {args.model} with random weights", flush=True)
+    cfg = model.pretrained_cfg
+    size = args.img_size or cfg["input_size"][-1]
+    resized = image.resize((size, size), Image.BILINEAR).tobytes()
+    pixels = torch.frombuffer(bytearray(resized), dtype=torch.uint8).reshape(size, size, 3) / 255
+    mean, std = (torch.tensor(cfg.get(key, default)) for key, default in (
+        ("mean", (0.485, 0.456, 0.406)), ("std", (0.229, 0.224, 0.225))))
+    x = ((pixels - mean) / std).permute(2, 0, 1).unsqueeze(0)
+    try:
+        (name, amap), = attention_maps(model, x, args.layer).items()
+    except ValueError as e:
+        option = "--layer" if str(e).startswith("layers:") else f"--img-size {size}"
+        parser.error(f"{option}: {_one_line(e).removeprefix('layers: ')}")
+    prefix = getattr(model, "num_prefix_tokens", 0)
+    rows, cols = query_grid(amap, prefix)
+    W, H = image.size
+    qy, qx = args.query
+    if not (0 <= qy < H and 0 <= qx < W):
+        parser.error(f"--query {qy:g},{qx:g}: outside the {H}x{W} (HxW) image")
+    if amap.keys is None:  # tokens: the patch grid covers the image
+        gy, gx = int(qy * rows / H), int(qx * cols / W)
+    else:  # a query at grid (gy, gx) sits at (gy, gx) * stride of the layer's input map
+        (mh, mw), s = amap.map_size, amap.stride
+        gy = min(int(qy * mh / H) // s, rows - 1)
+        gx = min(int(qx * mw / W) // s, cols - 1)
+    try:
+        heat = query_heat(amap, (gy, gx), args.head, prefix)
+    except ValueError as e:
+        parser.error(f"--head {args.head}: {_one_line(e)}")
+    group = "group" if "group" in amap.axes else "head"
+    n = amap.weights.shape[amap.axes.index(group)]
+    labels = ([f"{group} {i}" for i in range(n)] if args.head == "all" else
+              [f"mean of {n} {group}s"] if args.head == "mean" else [f"{group} {args.head}"])
+    title = f"{args.model} {name}\nquery ({gy}, {gx}) of its {rows}x{cols} grid"
+    draw_attention(image, heat, (qx, qy), args.out, title, labels)
+    print(f"wrote {args.out}: {name}, query at pixel ({qy:g}, {qx:g}) = grid ({gy}, {gx}) of "
+          f"{rows}x{cols}, {labels[0] if len(labels) == 1 else f'{len(labels)} {group}s'}",
+          flush=True)
+    return 0
+
+
 def _cmd_check(args, parser) -> int:
     device = _check_device(parser, args.device)
     choice = args.dtype or ("all" if device.type == "cuda" else "fp32")
@@ -656,6 +746,28 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="OP", help=f"ops to check, of {', '.join(backends.registered_ops())} "
                                       "(default: all)")
     p.set_defaults(func=_cmd_check, parser=p)
+
+    p = command("attention", "draw one query's attention weights in one layer over an image")
+    p.add_argument("model", help="an attnzoo model or pretrained tag, e.g. nat_mini")
+    p.add_argument("image", help="an image file (any format PIL reads)")
+    p.add_argument("--layer", required=True,
+                   help="STAGE.BLOCK (NAT, DiNAT, QnA-ViT, SAN), BLOCK (QUEST-ViT) or a module "
+                        "name, e.g. 1.0 or stages.1.downsample.attn")
+    p.add_argument("--query", type=_query, required=True, metavar="Y,X",
+                   help="the query's position, in pixels of the image (row, column)")
+    p.add_argument("--head", type=_head, default="mean",
+                   help="a head index (SAN: channel group), mean (their average) or all (one "
+                        "panel each)")
+    p.add_argument("--checkpoint", default=None,
+                   help="weights to load (timm's checkpoint_path); default: random weights")
+    p.add_argument("--pretrained", action="store_true",
+                   help="the tag's pretrained weights from the Hub (default: random weights)")
+    p.add_argument("--img-size", type=_int_at_least(1), default=None,
+                   help="the model's input size (default: the model's)")
+    p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
+                   help="create_model arguments, e.g. num_classes=10 (default: none)")
+    p.add_argument("-o", "--out", default="attention.png", help="the picture to write")
+    p.set_defaults(func=_cmd_attention, parser=p)
 
     p = command("timm", "run a timm script (train.py, validate.py, benchmark.py, inference.py) "
                         "with attnzoo's models registered")

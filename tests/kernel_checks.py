@@ -100,16 +100,6 @@ INTERPRETER_ONLY = "interpreter-only:"
 INTERPRETER_BUG = "only 0-dimensional arrays can be converted to Python scalars"
 
 
-def np_version() -> str:
-    import numpy
-    return numpy.__version__
-
-
-def triton_version() -> str:
-    import triton
-    return triton.__version__
-
-
 def rerun_without_a_gpu(request) -> bool:
     """On a GPU host, run the calling test again in a process that sees no GPU (its kernels then
     interpreted, as on CI) and assert it passes; ``True`` when it did, and the caller returns.
@@ -121,9 +111,11 @@ def rerun_without_a_gpu(request) -> bool:
         cwd=request.config.rootpath, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
         capture_output=True, text=True, timeout=900)
     if result.returncode and INTERPRETER_BUG in result.stdout:
-        pytest.skip(f"{INTERPRETER_ONLY} Triton {triton_version()}'s interpreter cannot run "
-                    f"with NumPy {np_version()} (its loops call int() on 1-element arrays, which "
-                    "NumPy >= 2.4 refuses; Triton 3.8 does not); CI runs it")
+        import numpy
+        import triton
+        pytest.skip(f"{INTERPRETER_ONLY} Triton {triton.__version__}'s interpreter cannot run "
+                    f"with NumPy {numpy.__version__} (its loops call int() on 1-element arrays, "
+                    "which NumPy >= 2.4 refuses; Triton 3.8 does not); CI runs it")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
     return True

@@ -70,6 +70,48 @@ def neighborhood_attention(q, k, v, kernel_size, dilation, rpb=None, scale=None)
     return torch.stack(rows, 1).reshape(q.shape[:-1] + v.shape[-1:])
 
 
+def _windows(spatial, ks, dil, query) -> list:
+    """Per axis, the positions of every key of ``query``'s window, in row-major order."""
+    windows = [na_window(L, K, d, i) for L, K, d, i in zip(spatial, ks, dil, query)]
+    return list(zip(*itertools.product(*windows)))
+
+
+def na_scores(q, k, kernel_size, dilation, rpb=None) -> torch.Tensor:
+    """NATTEN 0.17's ``na{n}d_qk`` on heads-last tensors: ``[B, *spatial, heads, K**n]``, entry
+    ``t`` the plain dot product ``q . k`` with the ``t``-th key of the query's window (row-major
+    over the per-axis windows, :func:`na_window`) plus ``rpb[h, (key - query) / d + K - 1 per
+    axis]``; no scale."""
+    n = q.dim() - 3
+    ks, dil = _per_axis(kernel_size, n), _per_axis(dilation, n)
+    spatial = tuple(q.shape[1:1 + n])
+    every = (slice(None),)
+    rows = []
+    for query in itertools.product(*map(range, spatial)):
+        axes = _windows(spatial, ks, dil, query)
+        index = tuple(torch.tensor(a) for a in axes)
+        logits = torch.einsum("bhd,bnhd->bhn", q[every + query], k[every + index])
+        if rpb is not None:
+            offset = tuple(torch.tensor([(key - i) // d + K - 1 for key in a])
+                           for a, i, d, K in zip(axes, query, dil, ks))
+            logits = logits + rpb[every + offset].to(logits.dtype)
+        rows.append(logits)
+    return torch.stack(rows, 1).reshape(q.shape[:-1] + (math.prod(ks),))
+
+
+def na_weighted_sum(attn, v, kernel_size, dilation) -> torch.Tensor:
+    """NATTEN 0.17's ``na{n}d_av`` on heads-last tensors: each query's ``sum_t attn[..., t] *
+    v[t-th key of its window]``, ``[B, *spatial, heads, E]``."""
+    n = v.dim() - 3
+    ks, dil = _per_axis(kernel_size, n), _per_axis(dilation, n)
+    spatial = tuple(v.shape[1:1 + n])
+    every = (slice(None),)
+    rows = []
+    for query in itertools.product(*map(range, spatial)):
+        index = tuple(torch.tensor(a) for a in _windows(spatial, ks, dil, query))
+        rows.append(torch.einsum("bhn,bnhe->bhe", attn[every + query], v[every + index]))
+    return torch.stack(rows, 1).reshape(v.shape)
+
+
 def qna(logits, v, k: int, stride: int, rpb, window_weights, sum_queries: bool = True
         ) -> torch.Tensor:
     """QnA's local aggregation (spec: shared/specs/qna_vit.md): ``logits [B, H, W, L, heads]``

@@ -150,13 +150,20 @@ def test_use_backend_as_block_and_decorator_restores_on_exit(recwarn):
 
 def _empty_batch_calls():
     """One small call of every public op, at batch ``B``: ``call(B, new) -> output``."""
-    from attnzoo.ops import (na1d, na2d, qna2d, san_aggregation, san_subtraction,
-                             san_subtraction2)
+    from attnzoo.ops import (na1d, na1d_av, na1d_qk, na2d, na2d_av, na2d_qk, qna2d,
+                             san_aggregation, san_subtraction, san_subtraction2)
     return {
         "na1d": lambda B, new: na1d(new(B, 9, 2, 4), new(B, 9, 2, 4), new(B, 9, 2, 3),
                                     kernel_size=3, dilation=2, rpb=new(2, 5)),
         "na2d": lambda B, new: na2d(new(B, 6, 5, 2, 4), new(B, 6, 5, 2, 4), new(B, 6, 5, 2, 4),
                                     kernel_size=3, rpb=new(2, 5, 5)),
+        "na1d_qk": lambda B, new: na1d_qk(new(B, 9, 2, 4), new(B, 9, 2, 4), kernel_size=3,
+                                          dilation=2, rpb=new(2, 5)),
+        "na1d_av": lambda B, new: na1d_av(new(B, 9, 2, 3), new(B, 9, 2, 5), kernel_size=3,
+                                          dilation=2),
+        "na2d_qk": lambda B, new: na2d_qk(new(B, 6, 5, 2, 4), new(B, 6, 5, 2, 4), kernel_size=3,
+                                          rpb=new(2, 5, 5)),
+        "na2d_av": lambda B, new: na2d_av(new(B, 6, 5, 2, 9), new(B, 6, 5, 2, 3), kernel_size=3),
         "qna2d": lambda B, new: qna2d(new(B, 5, 6, 2, 3), new(B, 5, 6, 3, 4), kernel_size=3,
                                       stride=2, rpb=new(2, 3, 3, 3),
                                       window_weights=new(2, 3, 3, 3)),

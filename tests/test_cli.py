@@ -111,6 +111,16 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
     (["bench", "san10_pairwise", "--img-size", "32"],
      "--img-size 32: san10_pairwise cannot run a 32x32 input: input images must be at least "
      "128x128 pixels for this architecture, got 32x32; padding_mode='zeros'"),
+    (["attention", "nat_mini", "/does/not/exist.png", "--layer", "0.0", "--query", "1,1"],
+     "/does/not/exist.png: cannot read the image: "),
+    (["attention", "nat_mini", "x.png", "--layer", "0.0", "--query", "1"],
+     "argument --query: expected Y,X (pixels of the image), got '1'"),
+    (["attention", "nat_mini", "x.png", "--layer", "0.0", "--query", "1,1", "--head", "x"],
+     "argument --head: expected mean, all or a head index, got 'x'"),
+    (["attention", "nat_mini", "x.png", "--layer", "0.0", "--query", "1,1", "--pretrained",
+      "--checkpoint", "w.pth"], "--pretrained and --checkpoint: give one"),
+    (["attention", "nat_mini", "x.png", "--query", "1,1"],
+     "the following arguments are required: --layer"),
 ])
 def test_cli_user_errors_are_one_line_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -275,3 +285,58 @@ def test_cli_timm_runner_exit_message(tmp_path, capsys):
     script = _write_script(tmp_path, "raise SystemExit('bad dataset path')\n")
     assert cli.main(["timm", script]) == 1
     assert "bad dataset path" in capsys.readouterr().err
+
+
+@pytest.fixture
+def picture(tmp_path):
+    from PIL import Image
+    path = tmp_path / "image.png"
+    Image.radial_gradient("L").convert("RGB").resize((160, 120)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("model,layer,head,panels", [
+    ("dinat_mini", "0.1", "all", 2), ("quest_vit_tiny_patch16_224", "2", "mean", 1),
+    ("san10_patchwise", "1.0", "3", 1)])
+def test_cli_attention_draws_the_query(model, layer, head, panels, picture, tmp_path, capsys):
+    from PIL import Image
+    out = tmp_path / "map.png"
+    assert cli.main(["attention", model, str(picture), "--layer", layer, "--query", "5,150",
+                     "--head", head, "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}: " in printed and "random weights" in printed
+    with Image.open(out) as drawn:  # one 400 px panel per head, up to four a row
+        assert drawn.format == "PNG" and drawn.size[0] == 400 * panels
+
+
+def test_cli_attention_loads_the_checkpoint_and_names_bad_layers(picture, tmp_path, capsys):
+    model = timm.create_model("nat_mini")
+    weights = tmp_path / "w.safetensors"
+    safetensors.torch.save_file(model.state_dict(), weights)
+    out = tmp_path / "map.png"
+    assert cli.main(["attention", "nat_mini", str(picture), "--layer", "stages.3.blocks.0.attn",
+                     "--query", "60,80", "--checkpoint", str(weights), "-o", str(out)]) == 0
+    assert "random weights" not in capsys.readouterr().out and out.exists()
+    for args, message in (
+            (["--layer", "9.0"], "--layer: '9.0' is not an attention layer of NAT; accepted: "),
+            (["--layer", "0.0", "--head", "5"], "--head 5: head must be 'mean', 'all' or a head "
+                                               "index below 2, got 5"),
+            (["--query", "200,0"], "--query 200,0: outside the 120x160 (HxW) image")):
+        argv = ["attention", "nat_mini", str(picture), "--layer", "0.0", "--query", "1,1",
+                "-o", str(out)] + args
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_attention_without_matplotlib_says_what_to_install(picture, monkeypatch, capsys):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["attention", "nat_mini", str(picture), "--layer", "0.0", "--query", "1,1"])
+    assert info.value.code == 2
+    assert ('drawing needs matplotlib, not installed: pip install matplotlib (or pip install '
+            '"attnzoo[plot]")') in capsys.readouterr().err

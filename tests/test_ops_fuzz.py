@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, NamedTuple, Tuple
 import pytest
 import torch
 
-from attnzoo.ops import (na1d, na2d, qna2d, san_aggregation, san_neighbours, san_subtraction,
-                         san_subtraction2)
+from attnzoo.ops import (na1d, na1d_av, na1d_qk, na2d, na2d_av, na2d_qk, qna2d, san_aggregation,
+                         san_neighbours, san_subtraction, san_subtraction2)
 
 DEFAULT_CASES = 600
 SLOW_CASES = 20000
@@ -196,6 +196,81 @@ def gen_na(rng: random.Random, n: int, layouts) -> Call:
                 frozenset(maybe), tuple(mutations))
 
 
+UNFUSED = {"na1d_qk": na1d_qk, "na2d_qk": na2d_qk, "na1d_av": na1d_av, "na2d_av": na2d_av}
+
+
+def gen_unfused(rng: random.Random, op: str, layouts) -> Call:
+    """``na{n}d_qk(q, k, ...)`` or ``na{n}d_av(attn, v, ...)``: valid per NATTEN 0.17's
+    contract (odd kernels with ``K * d <= L``, ``attn [B, *spatial, heads, K**n]``), then 0-2
+    mutations."""
+    n, step = int(op[2]), op[-2:]
+    B = rng.choices([0, 1, 2], [1, 4, 3])[0]
+    spatial = [rng.randint(1, 7) for _ in range(n)]
+    heads, D = rng.randint(1, 3), rng.choice([1, 2, 4, 3])
+    ks = [_odd(rng, L) for L in spatial]
+    dil = [rng.randint(1, L // K) for L, K in zip(spatial, ks)]
+    kwargs = dict(kernel_size=tuple(ks), dilation=tuple(dil))
+    dtype = rng.choices(FLOATS, FLOAT_WEIGHTS)[0]
+    names = ["q", "k"] if step == "qk" else ["attn", "v"]
+    taps = 1
+    for K in ks:
+        taps *= K
+    shapes = {"q": [B, *spatial, heads, D], "k": [B, *spatial, heads, D],
+              "attn": [B, *spatial, heads, taps], "v": [B, *spatial, heads, D]}
+    dtypes = {name: dtype for name in names}
+    rpb = step == "qk" and rng.random() < 0.5
+    rpb_shape = [heads, *(2 * K - 1 for K in ks)]
+    mutations, invalid, maybe = [], set(), set()
+    kwargs["backend"] = _backend(rng, mutations, invalid, maybe)
+    choices = ["ndim", "mismatch", "int_dtype", "mixed_dtype", "kernel_even", "kernel_type",
+               "kernel_big", "dilation_zero", "dilation_type", "not_tensor"]
+    choices += ["rpb_shape"] if step == "qk" else ["taps"]
+    for _ in range(rng.choices([0, 1, 2], [5, 4, 1])[0]):
+        m = rng.choice(choices)
+        mutations.append(m)
+        name = rng.choice(names)
+        if m == "ndim":
+            shapes[name] = shapes[name] + [1]
+            invalid.add(name)
+        elif m == "mismatch":
+            shapes[names[1]] = [shapes[names[1]][0], *(s + 1 for s in shapes[names[1]][1:1 + n]),
+                                *shapes[names[1]][1 + n:]]
+            invalid.update(names)
+        elif m == "int_dtype":
+            dtypes[name] = torch.int32
+            invalid.add(name)
+        elif m == "mixed_dtype":
+            dtypes[names[1]] = next(d for d in FLOATS if d != dtype)
+            invalid.update(names)
+        elif m == "kernel_even":
+            kwargs["kernel_size"] = rng.choice([0, -1, 2])
+            invalid.update(("kernel_size", "attn"))
+        elif m in ("kernel_type", "dilation_type"):
+            _bad_int(rng, kwargs, "kernel_size" if m == "kernel_type" else "dilation", mutations,
+                     invalid)
+        elif m == "kernel_big":
+            kwargs["kernel_size"] = 2 * (max(spatial) // 2) + 3
+            invalid.update(("kernel_size", "attn"))
+        elif m == "dilation_zero":
+            kwargs["dilation"] = 0
+            invalid.add("dilation")
+        elif m == "not_tensor":
+            dtypes[name] = None
+            invalid.add(name)
+        elif m == "rpb_shape":
+            rpb, rpb_shape = True, [heads + 1, *rpb_shape[1:]]
+            invalid.add("rpb")
+        elif m == "taps":
+            shapes["attn"][-1] += 1
+            invalid.add("attn")
+    tensors = [_tensor(rng, shapes[nm], dtypes[nm], layouts) if dtypes[nm] is not None
+               else shapes[nm] for nm in names]
+    if rpb:
+        kwargs["rpb"] = _tensor(rng, rpb_shape, dtype, layouts)
+    return Call(op, UNFUSED[op], tensors, kwargs, frozenset(invalid), frozenset(maybe),
+                tuple(mutations))
+
+
 def gen_qna(rng: random.Random, layouts) -> Call:
     B, H, W = rng.choices([0, 1, 2], [1, 4, 3])[0], rng.randint(1, 6), rng.randint(1, 6)
     L, heads, d = rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 5)
@@ -334,8 +409,10 @@ def gen_san(rng: random.Random, op: str, layouts) -> Call:
 
 
 def generate(rng: random.Random, layouts) -> Call:
-    op = rng.choice(["na1d", "na2d", "na2d", "qna2d", *SAN_OPS])
-    if op.startswith("na"):
+    op = rng.choice(["na1d", "na2d", "na2d", "qna2d", *SAN_OPS, *UNFUSED])
+    if op in UNFUSED:
+        call = gen_unfused(rng, op, layouts)
+    elif op.startswith("na"):
         call = gen_na(rng, int(op[2]), layouts)
     elif op == "qna2d":
         call = gen_qna(rng, layouts)
@@ -350,7 +427,8 @@ def generate(rng: random.Random, layouts) -> Call:
         i = rng.randrange(len(call.tensors))
         tensors = list(call.tensors)
         tensors[i] = tensors[i].to("meta")
-        names = ["q", "k", "v"] if call.op.startswith("na") else (
+        names = ["q", "k"] if call.op.endswith("qk") else ["attn", "v"] if call.op.endswith(
+            "av") else ["q", "k", "v"] if call.op.startswith("na") else (
             ["logits", "v"] if call.op == "qna2d" else list(SAN_OPS[call.op][1]))
         call = call._replace(tensors=tensors, invalid=frozenset(names + ["device"]),
                              mutations=(*call.mutations, f"{names[i]} on meta"))
@@ -469,7 +547,7 @@ def test_fuzzed_op_calls_are_correct_or_name_the_bad_argument():
     stats = fuzz(DEFAULT_CASES, int(os.environ.get("ATTNZOO_FUZZ_SEED", 0)))
     print(f"\n{DEFAULT_CASES} fuzzed op calls\n{_report(stats)}")
     # the generator covers what it claims: every op, valid and invalid calls, every layout
-    assert set(stats["op"]) == {"na1d", "na2d", "qna2d", *SAN_OPS}
+    assert set(stats["op"]) == {"na1d", "na2d", "qna2d", *SAN_OPS, *UNFUSED}
     assert stats["outcome"]["ok"] > DEFAULT_CASES // 4
     assert stats["outcome"]["rejected"] > DEFAULT_CASES // 4
     assert set(stats["layout"]) == {"contiguous", "transposed", "channels_last", "sliced",

@@ -16,7 +16,7 @@ keeps working) and both helpers are registered with timm as FX leaves (``torch.f
 trace their shape-dependent control flow). Their names must not start with ``_``: torch.fx's
 autowrap skips private globals.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -25,7 +25,8 @@ from timm.layers import trunc_normal_
 from timm.models import register_notrace_function
 
 from .. import backends
-from ..ops import na2d
+from ..ops import na2d, na2d_qk, na_window_positions
+from .attention_map import AttentionMap
 from .quest import check_attn_norm, l2_normalize
 
 __all__ = ["NeighborhoodAttention2d"]
@@ -152,9 +153,9 @@ class NeighborhoodAttention2d(nn.Module):
                 f"dilation={self.dilation}, rel_pos_bias={self.rpb is not None}, "
                 f"attn_norm={self.attn_norm!r}, backend={self.backend!r}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        H, W = x.shape[1], x.shape[2]
-        x = pad_to_window(x, self.window)
+    def heads_qkv(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[B, H, W, heads, head_dim]`` of the (padded) input, k as the formulation
+        uses it (unit-norm for QUEST)."""
         # reshape by x's sizes, not unflatten: the TorchScript ONNX exporter bakes unflatten's in
         qkv = self.qkv(x).reshape(x.shape[0], x.shape[1], x.shape[2], 3, self.num_heads,
                                   self.head_dim)
@@ -164,6 +165,25 @@ class NeighborhoodAttention2d(nn.Module):
         q, k, v = qkv.select(3, 0), qkv.select(3, 1), qkv.select(3, 2)
         if self.attn_norm == "quest":
             k = l2_normalize(k)
+        return q, k, v
+
+    def attention_map(self, x: torch.Tensor) -> AttentionMap:
+        """The weights ``forward(x)`` uses, ``[B, H, W, heads, K*K]`` (unfused:
+        :func:`attnzoo.ops.na2d_qk`, softmax), and where each query's window lies."""
+        H, W = x.shape[1], x.shape[2]
+        x = pad_to_window(x, self.window)
+        q, k, _ = self.heads_qkv(x)
+        weights = na2d_qk(q * self.scale, k, kernel_size=self.kernel_size,
+                          dilation=self.dilation, rpb=self.rpb, backend="torch").softmax(-1)
+        keys = na_window_positions(x.shape[1:3], kernel_size=self.kernel_size,
+                                   dilation=self.dilation, device=x.device)
+        return AttentionMap(weights[:, :H, :W], ("batch", "y", "x", "head", "key"),
+                            keys[:H, :W], (H, W))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        H, W = x.shape[1], x.shape[2]
+        x = pad_to_window(x, self.window)
+        q, k, v = self.heads_qkv(x)
         x = na2d_dispatch(q, k, v, self.kernel_size, self.dilation, self.rpb, self.scale,
                            self.backend)
         x = x.flatten(-2)[:, :H, :W]

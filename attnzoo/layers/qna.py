@@ -22,7 +22,8 @@ from timm.layers import lecun_normal_, trunc_normal_
 from timm.models import register_notrace_function
 
 from .. import backends
-from ..ops import qna2d
+from ..ops import qna2d, qna2d_weights, qna_window_positions
+from .attention_map import AttentionMap
 from .quest import check_attn_norm, l2_normalize
 
 __all__ = ["QnA", "QnAUpsample", "LocalSelfAttention"]
@@ -115,6 +116,14 @@ class _QueriesAndAttend(nn.Module):
         v = self.v(x).reshape(x.shape[0], x.shape[1], x.shape[2], self.num_heads, self.head_dim)
         return logits, v
 
+    def window_map(self, x: torch.Tensor, stride: int) -> AttentionMap:
+        weights = qna2d_weights(qna_logits(x, self.queries, self.k.weight, self.num_heads),
+                                kernel_size=self.kernel_size, stride=stride, rpb=self.rpb)
+        keys = qna_window_positions(x.shape[1], x.shape[2], kernel_size=self.kernel_size,
+                                    stride=stride, device=x.device)
+        return AttentionMap(weights, ("batch", "y", "x", "query", "head", "key"), keys,
+                            (x.shape[1], x.shape[2]), stride)
+
 
 class QnA(_QueriesAndAttend):
     """Query and Attend on ``[B, H, W, dim]`` -> ``[B, ceil(H/stride), ceil(W/stride), out_dim]``.
@@ -178,6 +187,12 @@ class QnA(_QueriesAndAttend):
                 f"kernel_size={self.kernel_size}, stride={self.stride}, "
                 f"num_queries={self.num_queries}, backend={self.backend!r}")
 
+    def attention_map(self, x: torch.Tensor) -> AttentionMap:
+        """Each learned query's softmax weights over each window in ``forward(x)``,
+        ``[B, H_out, W_out, queries, heads, k*k]`` (before the window weights scale them), and
+        where each window lies (:func:`attnzoo.ops.qna2d_weights`)."""
+        return self.window_map(x, self.stride)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, v = self.logits_and_values(x)
         x = qna2d_dispatch(logits, v, self.kernel_size, self.stride, self.rpb,
@@ -236,6 +251,12 @@ class QnAUpsample(_QueriesAndAttend):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, out_dim={self.out_dim}, num_heads={self.num_heads}, "
                 f"scale={self.scale}, kernel_size={self.kernel_size}, backend={self.backend!r}")
+
+    def attention_map(self, x: torch.Tensor) -> AttentionMap:
+        """Each sub-pixel query's softmax weights over each window (stride 1),
+        ``[B, H, W, scale**2, heads, k*k]``; query ``i * scale + j`` makes sub-pixel
+        ``(i, j)``."""
+        return self.window_map(x, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, H, W = x.shape[0], x.shape[1], x.shape[2]
@@ -342,6 +363,39 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     return out
 
 
+def window_attention_map(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
+                         window_size: int, attn_norm: str = "none") -> AttentionMap:
+    """:func:`window_attention`'s weights, unfused: each query's softmax over its window's keys,
+    ``[B, H, W, heads, wh*ww]`` (row-major in the window; padded keys get 0), and the keys'
+    positions ``[H, W, wh*ww, 2]`` on the map."""
+    B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
+    head_dim = qkv.shape[3] // 3 // num_heads
+    wh, nh = window_layout(H, window_size)
+    ww, nw = window_layout(W, window_size)
+    padded = nh * wh > H or nw * ww > W
+    qkv = F.pad(qkv, (0, 0, 0, nw * ww - W, 0, nh * wh - H))
+    n = wh * ww
+    q, k, _ = qkv.reshape(B, nh, wh, nw, ww, 3, num_heads, head_dim).permute(
+        5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B, nh * nw, num_heads, n, head_dim).unbind(0)
+    scale = head_dim ** -0.5
+    if attn_norm == "quest":
+        k, scale = l2_normalize(k), 1.0
+    index, invalid = _layout_tensors(H, W, window_size, padded, qkv.device)
+    logits = (q * scale) @ k.transpose(-1, -2) + table[index].reshape(n, n, num_heads).permute(
+        2, 0, 1).to(q.dtype)                                           # [B, nW, heads, n, n]
+    if invalid is not None:
+        logits = logits.masked_fill(invalid, float("-inf"))
+    weights = logits.softmax(-1).reshape(B, nh, nw, num_heads, wh, ww, n).permute(
+        0, 1, 4, 2, 5, 3, 6).reshape(B, nh * wh, nw * ww, num_heads, n)[:, :H, :W]
+    y, x = torch.arange(H, device=qkv.device), torch.arange(W, device=qkv.device)
+    a, b = torch.arange(wh, device=qkv.device), torch.arange(ww, device=qkv.device)
+    key_y = (y // wh * wh).view(H, 1, 1, 1) + a.view(1, 1, wh, 1)
+    key_x = (x // ww * ww).view(1, W, 1, 1) + b.view(1, 1, 1, ww)
+    keys = torch.stack([key_y.expand(H, W, wh, ww), key_x.expand(H, W, wh, ww)], -1)
+    return AttentionMap(weights, ("batch", "y", "x", "head", "key"), keys.reshape(H, W, n, 2),
+                        (H, W))
+
+
 class LocalSelfAttention(nn.Module):
     """Multi-head self-attention inside non-overlapping, non-shifted windows of
     ``window_size`` (QnA-ViT's LSA blocks), ``[B, H, W, dim]`` -> same.
@@ -402,6 +456,12 @@ class LocalSelfAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, window_size={self.window_size}, "
                 f"attn_norm={self.attn_norm!r}")
+
+    def attention_map(self, x: torch.Tensor) -> AttentionMap:
+        """The weights ``forward(x)`` uses, per query over its window (see
+        :func:`window_attention_map`)."""
+        return window_attention_map(self.qkv(x), self.relative_position_bias_table,
+                                    self.num_heads, self.window_size, self.attn_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = window_attention(self.qkv(x), self.relative_position_bias_table, self.num_heads,

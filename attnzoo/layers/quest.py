@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from timm.layers import Attention, maybe_add_mask, resolve_self_attn_mask
 from timm.models import register_notrace_function
 
+from .attention_map import AttentionMap
+
 __all__ = ["QuestAttention", "QNormAttention", "QKNormAttention", "StandardAttention",
            "FORMULATIONS", "ATTN_NORMS", "attn_layer_for", "check_attn_norm", "l2_normalize"]
 
@@ -158,6 +160,15 @@ class QuestAttention(Attention):
         """Pre-softmax logits ``[B, heads, N, N]`` (no mask), for inspection and tests."""
         q, k, _ = self.heads_qkv(x)
         return (q * self.scale) @ k.transpose(-2, -1)
+
+    def attention_map(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                      is_causal: bool = False) -> AttentionMap:
+        """The global weights ``forward(x)`` uses, ``[B, heads, N, N]`` (query, key: every
+        token, prefix tokens first), softmax over the keys."""
+        attn = self.attention_logits(x)
+        mask = resolve_self_attn_mask(x.shape[1], attn, attn_mask, is_causal)
+        attn = maybe_add_mask(attn, mask)
+        return AttentionMap(attn.softmax(dim=-1), ("batch", "head", "query", "key"))
 
     def forward(
             self,

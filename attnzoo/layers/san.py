@@ -36,6 +36,7 @@ from timm.models import register_notrace_function
 from .. import backends
 from ..ops import san_aggregation, san_neighbours, san_subtraction, san_subtraction2
 from ..ops.san import PADDING_MODES
+from .attention_map import AttentionMap
 
 __all__ = ["SAM", "PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS"]
 
@@ -219,16 +220,46 @@ class SAM(nn.Module):
         clique = torch.einsum('ncjl,nckl->njkl', self.neighbours(x1), nbrs)
         return clique.flatten(1, 2).unsqueeze(2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x2, x3 = self.conv1(x), self.conv2(x), self.conv3(x)
+    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """``gamma``'s weights ``[N, Cw, kk, L]``: per weight channel (channel group), footprint
+        tap and output position."""
+        x1, x2 = self.conv1(x), self.conv2(x)
         if self.conv_p is not None:  # pairwise
             p = self.conv_p(position_grid(x))
             p = self.op("subtraction", p)
             r = self.pairwise_relation(x1, x2)
             r = torch.cat([r, p.expand(r.shape[0], -1, -1, -1).to(r.dtype)], 1)
-            w = self.conv_w(r).softmax(dim=-2)
-        else:
-            w = self.conv_w(self.patchwise_relation(x1, x2))
-            w = w.unflatten(1, (w.shape[1] // self.taps, self.taps)).squeeze(3)
+            return self.conv_w(r).softmax(dim=-2)
+        w = self.conv_w(self.patchwise_relation(x1, x2))
+        return w.unflatten(1, (w.shape[1] // self.taps, self.taps)).squeeze(3)
+
+    def attention_map(self, x: torch.Tensor) -> AttentionMap:
+        """The vector attention weights of ``forward(x)``, ``[B, H_out, W_out, group, k*k]``
+        (group ``g`` weighs feature channels ``c`` with ``c % groups == g``), and the footprint's
+        positions on the map (reflected at the borders with ``padding_mode='reflect'``; outside
+        the map with ``'zeros'``)."""
+        H, W, s = x.shape[-2], x.shape[-1], self.stride
+        Ho, Wo = (H - 1) // s + 1, (W - 1) // s + 1
+        w = self.attention_weights(x)
+        weights = w.reshape(w.shape[0], w.shape[1], self.taps, Ho, Wo).permute(0, 3, 4, 1, 2)
+        k, r, d = self.kernel_size, self.kernel_size // 2, self.dilation
+
+        def axis(n_out: int, n: int) -> torch.Tensor:  # [n_out, k] tap positions on one axis
+            pos = (torch.arange(n_out, device=x.device) * s).view(-1, 1) + (
+                torch.arange(k, device=x.device) - r) * d
+            if self.padding_mode == "reflect":  # -1 -> 1, n -> n - 2
+                pos = pos.abs()
+                pos = torch.where(pos > n - 1, 2 * (n - 1) - pos, pos)
+            return pos
+
+        ys, xs = axis(Ho, H), axis(Wo, W)
+        keys = torch.stack([ys.view(Ho, 1, k, 1).expand(Ho, Wo, k, k),
+                            xs.view(1, Wo, 1, k).expand(Ho, Wo, k, k)], -1)
+        return AttentionMap(weights, ("batch", "y", "x", "group", "key"),
+                            keys.reshape(Ho, Wo, self.taps, 2), (H, W), s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.attention_weights(x)
+        x3 = self.conv3(x)
         # autocast runs the softmax in float32; the aggregation takes one dtype
         return self.op("aggregation", x3, w.to(x3.dtype))

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from .. import backends, kernels
 
-__all__ = ["na1d", "na2d", "na_reference", "na_export"]
+__all__ = ["na1d", "na2d", "na1d_qk", "na1d_av", "na2d_qk", "na2d_av", "na_window_positions",
+           "na_reference", "na_export"]
 
 IntOrTuple = Union[int, Sequence[int]]
 
@@ -48,28 +49,27 @@ def _as_tuple(value: IntOrTuple, n: int, name: str) -> Tuple[int, ...]:
     raise TypeError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
 
 
-def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
-    """Validate an NA call; returns (kernel_size, dilation) as tuples."""
-    fn = f"na{n}d"
-    layout = "[B, L, heads, head_dim]" if n == 1 else "[B, H, W, heads, head_dim]"
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def _check_tensors(fn: str, n: int, layout: str, **tensors: torch.Tensor) -> None:
+    """Each tensor is a floating-point ``n + 3``-D tensor; all share dtype and device."""
+    for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != n + 3:
             raise ValueError(f"{fn}: {name} must be {n + 3}-D {layout}, got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{fn}: {name} must be a floating-point tensor, got {t.dtype}")
-    if q.shape != k.shape or q.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"{fn}: q and k must have the same shape and v the same [B, *spatial, "
-                         f"heads]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[-1] < 1:
-        raise ValueError(f"{fn}: q and k need a head_dim >= 1, got shape {tuple(q.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(f"{fn}: q, k, v must share dtype and device; got "
-                         f"{q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
+    ts = list(tensors.values())
+    if len({t.dtype for t in ts}) > 1 or len({t.device for t in ts}) > 1:
+        names = ", ".join(tensors)
+        raise ValueError(f"{fn}: {names} must share dtype and device; got "
+                         f"{'/'.join(str(t.dtype) for t in ts)} on "
+                         f"{'/'.join(str(t.device) for t in ts)}")
+
+
+def _check_window(fn: str, n: int, kernel_size, dilation, spatial: Tuple[int, ...]):
+    """Returns (kernel_size, dilation) as tuples: odd kernels, dilations >= 1, windows that fit."""
     ks = _as_tuple(kernel_size, n, "kernel_size")
     dil = _as_tuple(dilation, n, "dilation")
-    spatial = tuple(q.shape[1:1 + n])
     for K, d, L in zip(ks, dil, spatial):
         if K < 1 or K % 2 == 0:
             raise ValueError(f"{fn}: kernel_size must be odd and >= 1, got {kernel_size!r}")
@@ -80,16 +80,38 @@ def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
                 f"{fn}: kernel_size * dilation must not exceed the input size on every axis; "
                 f"got kernel_size={ks}, dilation={dil}, spatial size {spatial} "
                 "(pad the input, as NAT does for small images)")
-    if rpb is not None:
-        expected = (q.shape[-2],) + tuple(2 * K - 1 for K in ks)
-        if not isinstance(rpb, torch.Tensor) or not rpb.is_floating_point():
-            raise TypeError(f"{fn}: rpb must be a floating-point torch.Tensor or None, got "
-                            f"{rpb.dtype if isinstance(rpb, torch.Tensor) else type(rpb).__name__}")
-        if tuple(rpb.shape) != expected:
-            raise ValueError(f"{fn}: rpb must have shape [heads, 2K-1, ...] = {expected}, "
-                             f"got {tuple(rpb.shape)}")
-        if rpb.device != q.device:
-            raise ValueError(f"{fn}: rpb is on {rpb.device} but q is on {q.device}")
+    return ks, dil
+
+
+def _check_rpb(fn: str, rpb, heads: int, ks: Tuple[int, ...], device: torch.device) -> None:
+    if rpb is None:
+        return
+    expected = (heads,) + tuple(2 * K - 1 for K in ks)
+    if not isinstance(rpb, torch.Tensor) or not rpb.is_floating_point():
+        raise TypeError(f"{fn}: rpb must be a floating-point torch.Tensor or None, got "
+                        f"{rpb.dtype if isinstance(rpb, torch.Tensor) else type(rpb).__name__}")
+    if tuple(rpb.shape) != expected:
+        raise ValueError(f"{fn}: rpb must have shape [heads, 2K-1, ...] = {expected}, "
+                         f"got {tuple(rpb.shape)}")
+    if rpb.device != device:
+        raise ValueError(f"{fn}: rpb is on {rpb.device} but q is on {device}")
+
+
+def _layout(n: int, last: str = "head_dim") -> str:
+    return f"[B, L, heads, {last}]" if n == 1 else f"[B, H, W, heads, {last}]"
+
+
+def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
+    """Validate an NA call; returns (kernel_size, dilation) as tuples."""
+    fn = f"na{n}d"
+    _check_tensors(fn, n, _layout(n), q=q, k=k, v=v)
+    if q.shape != k.shape or q.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{fn}: q and k must have the same shape and v the same [B, *spatial, "
+                         f"heads]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"{fn}: q and k need a head_dim >= 1, got shape {tuple(q.shape)}")
+    ks, dil = _check_window(fn, n, kernel_size, dilation, tuple(q.shape[1:1 + n]))
+    _check_rpb(fn, rpb, q.shape[-2], ks, q.device)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"{fn}: scale must be a float or None, got {scale!r}")
     return ks, dil
@@ -648,3 +670,292 @@ def na1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntO
     """1-D (dilated) neighborhood attention on ``[B, L, heads, head_dim]``; ``rpb`` is
     ``[heads, 2K-1]``. Same semantics and backends as :func:`na2d`."""
     return _na(1, q, k, v, kernel_size, dilation, rpb, scale, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# unfused NA: NATTEN 0.17's two-step API (na{n}d_qk, then na{n}d_av)
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def _window_keys_cached(spatial, kernel_size, dilation, device):
+    with torch.inference_mode(False):  # cached: never inference tensors (see _plan)
+        return _neighbourhood(spatial, kernel_size, dilation, device)
+
+
+@torch.compiler.assume_constant_result  # a constant of a compiled graph, as the plan
+def _window_keys_constant(*args):
+    return _window_keys_cached(*args)
+
+
+_window_keys_constant.__name__ = "_attnzoo_na_window_keys"  # see _plan_constant
+
+
+def _window_keys(spatial, kernel_size, dilation, like: torch.Tensor):
+    """:func:`_neighbourhood`'s key positions and rpb rows: cached per size in eager and
+    compiled calls, and derived from the input's shape (once per trace) while exporting."""
+    if backends.exporting():
+        return backends.export_memo(("na", *spatial, kernel_size, dilation, like.device), like,
+                                    _neighbourhood, spatial, kernel_size, dilation, like.device)
+    return _window_keys_constant(tuple(int(s) for s in spatial), kernel_size, dilation,
+                                 like.device)
+
+
+def na_qk_reference(q: torch.Tensor, k: torch.Tensor, kernel_size: Tuple[int, ...],
+                    dilation: Tuple[int, ...], rpb: Optional[torch.Tensor]) -> torch.Tensor:
+    """Every query's window logits ``[B, *spatial, heads, K**n]`` (already validated): ``q . k``
+    over the window's keys in row-major order, plus the unscaled ``rpb`` entry of each key's
+    offset; no scale. One gather of the keys (``K**n`` copies of k), then a dot product."""
+    n = len(kernel_size)
+    B, spatial, heads, c = q.shape[0], q.shape[1:1 + n], q.shape[-2], q.shape[-1]
+    key, rel = _window_keys(spatial, kernel_size, dilation, q)
+    taps, N = math.prod(kernel_size), math.prod(spatial)  # sizes, never -1: a batch may be 0
+    keys = k.reshape(B, N, heads, c).index_select(1, key).reshape(B, N, taps, heads, c)
+    logits = torch.einsum("bnhc,bnthc->bnht", q.reshape(B, N, heads, c), keys)
+    if rpb is not None:
+        bias = rpb.to(logits.dtype).reshape(heads, -1).index_select(1, rel)
+        logits = logits + bias.reshape(heads, N, taps).transpose(0, 1)
+    return logits.reshape(*q.shape[:-1], taps)
+
+
+def na_av_reference(attn: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
+                    dilation: Tuple[int, ...]) -> torch.Tensor:
+    """``sum_t attn[..., t] * v[key t of the query's window]``, ``[B, *spatial, heads, d_v]``
+    (already validated); the weights are used as given (no softmax)."""
+    n = len(kernel_size)
+    B, spatial, heads, c = v.shape[0], v.shape[1:1 + n], v.shape[-2], v.shape[-1]
+    key, _ = _window_keys(spatial, kernel_size, dilation, v)
+    taps, N = math.prod(kernel_size), math.prod(spatial)
+    values = v.reshape(B, N, heads, c).index_select(1, key).reshape(B, N, taps, heads, c)
+    out = torch.einsum("bnht,bnthc->bnhc", attn.reshape(B, N, heads, taps), values)
+    return out.reshape(v.shape)
+
+
+def _unfused_natten_limits(call: NACall) -> Optional[str]:
+    return (f"NATTEN >= 0.20 has no unfused na{call.ndim}d_qk / na{call.ndim}d_av "
+            "(they were removed in 0.20; NATTEN <= 0.17.5 has them)")
+
+
+def _unfused_natten_support(call: NACall) -> Optional[str]:
+    module, api = _natten()
+    if module is None:
+        return api
+    return None if api == "legacy" else _unfused_natten_limits(call)
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(-2, 1)  # [B, *spatial, heads, c] -> NATTEN 0.17's [B, heads, *spatial, c]
+
+
+def _na_qk_natten(q, k, kernel_size, dilation, rpb):
+    module, _ = _natten()
+    n = len(kernel_size)
+    fn = getattr(module, f"na{n}d_qk")
+    out = fn(_heads_first(q), _heads_first(k), kernel_size if n > 1 else kernel_size[0],
+             dilation if n > 1 else dilation[0], rpb=rpb)
+    return out.movedim(1, -2)
+
+
+def _na_av_natten(attn, v, kernel_size, dilation):
+    module, _ = _natten()
+    n = len(kernel_size)
+    fn = getattr(module, f"na{n}d_av")
+    out = fn(_heads_first(attn), _heads_first(v), kernel_size if n > 1 else kernel_size[0],
+             dilation if n > 1 else dilation[0])
+    return out.movedim(1, -2)
+
+
+def _qk_macs(q, k, kernel_size, dilation, rpb) -> int:
+    return q.shape[:-1].numel() * q.shape[-1] * math.prod(kernel_size)
+
+
+def _av_macs(attn, v, kernel_size, dilation) -> int:
+    return v.shape[:-1].numel() * v.shape[-1] * math.prod(kernel_size)
+
+
+def _public(n: int, step: str):
+    return globals()[f"na{n}d_{step}"]  # defined below
+
+
+def _unfused_examples(n: int, step: str):
+    """NAT-tiny's first and last 2-D stages (224 px, batch 8) and DiNAT's dilated first stage;
+    1-D: a long sequence."""
+    cases = ([("nat_tiny s0 8x56x56x2x32 k7", (8, 56, 56, 2, 32), 7, 1),
+              ("nat_tiny s3 8x7x7x16x32 k7", (8, 7, 7, 16, 32), 7, 1),
+              ("dinat s0 d8", (8, 56, 56, 2, 32), 7, 8)] if n == 2 else
+             [("1d 8x4096x4x32 k13", (8, 4096, 4, 32), 13, 1)])
+
+    def examples(device, dtype):
+        out = []
+        for label, shape, K, d in cases:
+            def run(backend, shape=shape, K=K, d=d):
+                q, k = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+                        for _ in range(2))
+                if step == "qk":
+                    rpb = torch.zeros((shape[-2],) + (2 * K - 1,) * n, device=device,
+                                      dtype=dtype, requires_grad=True)
+                    return _public(n, "qk")(q, k, kernel_size=K, dilation=d, rpb=rpb,
+                                            backend=backend)
+                attn = torch.randn(shape[:-1] + (K ** n,), device=device, dtype=dtype,
+                                   requires_grad=True)
+                return _public(n, "av")(attn, k, kernel_size=K, dilation=d, backend=backend)
+            out.append((label, run))
+        return out
+    return examples
+
+
+def _unfused_cases(n: int, step: str):
+    """The fused op's check cases (:data:`_CASES`: borders, dilation groups of unequal length,
+    non-square kernels, kernel 1, value dims unlike the head dim), as qk or av calls."""
+    def cases(device, dtype):
+        out = []
+        for label, shape, kernel_size, dilation, rpb, _, v_dim in _CASES[n]:
+            ks = _as_tuple(kernel_size, n, "kernel_size")
+            if step == "qk":
+                shapes = [shape, shape] + ([(shape[-2],) + tuple(2 * K - 1 for K in ks)]
+                                           if rpb else [])
+
+                def call(q, k, rpb=None, *, backend, ks=ks, dil=dilation):
+                    return _public(n, "qk")(q, k, kernel_size=ks, dilation=dil, rpb=rpb,
+                                            backend=backend)
+                label = label.replace(" vdim12", "").replace(" scale", "")
+            else:
+                shapes = [shape[:-1] + (math.prod(ks),), shape[:-1] + (v_dim or shape[-1],)]
+
+                def call(attn, v, *, backend, ks=ks, dil=dilation):
+                    return _public(n, "av")(attn, v, kernel_size=ks, dilation=dil,
+                                            backend=backend)
+                label = label.replace(" rpb", "").replace(" scale", "")
+            out.append(backends.Case(label, backends.case_inputs(shapes, device, dtype), call))
+        return out
+    return cases
+
+
+for _n in (1, 2):
+    backends.register_op(
+        f"na{_n}d_qk", key_type=NACall, macs=_qk_macs, examples=_unfused_examples(_n, "qk"),
+        cases=_unfused_cases(_n, "qk"), backends={
+            "torch": backends.Backend(na_qk_reference),
+            "natten": backends.Backend(_na_qk_natten, _unfused_natten_support,
+                                       limits=_unfused_natten_limits)})
+    backends.register_op(
+        f"na{_n}d_av", key_type=NACall, macs=_av_macs, examples=_unfused_examples(_n, "av"),
+        cases=_unfused_cases(_n, "av"), backends={
+            "torch": backends.Backend(na_av_reference),
+            "natten": backends.Backend(_na_av_natten, _unfused_natten_support,
+                                       limits=_unfused_natten_limits)})
+
+
+def na_window_positions(spatial: Sequence[int], *, kernel_size: IntOrTuple,
+                        dilation: IntOrTuple = 1,
+                        device: Optional[torch.device] = None) -> torch.Tensor:
+    """Where each query's window lies: ``[*spatial, K**n, n]`` (an int64 tensor), entry
+    ``[*query, t]`` the position (``(y, x)`` in 2-D) of the key whose score is entry ``t`` of
+    :func:`na2d_qk` (and of each layer's attention map)."""
+    spatial = tuple(spatial)
+    n = len(spatial)
+    ks, dil = _check_window("na_window_positions", n, kernel_size, dilation, spatial)
+    key, _ = _neighbourhood(spatial, ks, dil, device or torch.device("cpu"))
+    key = key.reshape(*spatial, math.prod(ks))
+    axes = []
+    for L in reversed(spatial):  # row-major flat index -> per-axis positions
+        axes.append(key % L)
+        key = torch.div(key, L, rounding_mode="floor")
+    return torch.stack(axes[::-1], -1)
+
+
+def _grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _na_qk(n, q, k, kernel_size, dilation, rpb, backend):
+    fn = f"na{n}d_qk"
+    _check_tensors(fn, n, _layout(n), q=q, k=k)
+    if q.shape != k.shape:
+        raise ValueError(f"{fn}: q and k must have the same shape; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"{fn}: q and k need a head_dim >= 1, got shape {tuple(q.shape)}")
+    ks, dil = _check_window(fn, n, kernel_size, dilation, tuple(q.shape[1:1 + n]))
+    _check_rpb(fn, rpb, q.shape[-2], ks, q.device)
+    call = NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None, _grad(q, k, rpb), ks)
+    return backends.dispatch(fn, call, backend, q, k, ks, dil, rpb)
+
+
+def _na_av(n, attn, v, kernel_size, dilation, backend):
+    fn = f"na{n}d_av"
+    _check_tensors(fn, n, _layout(n, "kernel_area"), attn=attn, v=v)
+    ks, dil = _check_window(fn, n, kernel_size, dilation, tuple(v.shape[1:1 + n]))
+    if attn.shape[:-1] != v.shape[:-1] or attn.shape[-1] != math.prod(ks):
+        raise ValueError(
+            f"{fn}: attn must be [B, *spatial, heads, K**n] = "
+            f"{tuple(v.shape[:-1]) + (math.prod(ks),)} for v {tuple(v.shape)} and kernel_size "
+            f"{ks}, got {tuple(attn.shape)}")
+    call = NACall(n, str(v.device), v.dtype, v.shape[-1], False, _grad(attn, v), ks)
+    return backends.dispatch(fn, call, backend, attn, v, ks, dil)
+
+
+def na2d_qk(q: torch.Tensor, k: torch.Tensor, *, kernel_size: IntOrTuple,
+            dilation: IntOrTuple = 1, rpb: Optional[torch.Tensor] = None,
+            backend: Optional[str] = None) -> torch.Tensor:
+    """The first step of unfused 2-D NA, NATTEN 0.17's ``na2d_qk``: every query's scores
+    against its window's keys.
+
+    Args:
+        q, k: ``[B, H, W, heads, head_dim]`` (heads-last, as :func:`na2d`). ``q`` is not scaled
+            here: scale it first (``q * head_dim ** -0.5``) as NATTEN 0.17's callers do.
+        kernel_size, dilation: as :func:`na2d`; the window of each query is :func:`na2d`'s
+            (clamped at the borders, per dilation group).
+        rpb: optional ``[heads, 2kh-1, 2kw-1]`` relative positional bias, added unscaled.
+        backend: ``torch`` (any device and float dtype), ``natten`` (NATTEN <= 0.17.5 only), or
+            ``auto``; as :func:`na2d`.
+
+    Returns:
+        ``[B, H, W, heads, kh*kw]``: entry ``a * kw + b`` is the window's key in row ``a``,
+        column ``b`` (row-major, as NATTEN 0.17). ``softmax(-1)`` of it, given to
+        :func:`na2d_av`, makes :func:`na2d`: ``na2d_av(na2d_qk(q * s, k, ..., rpb=rpb)
+        .softmax(-1), v, ...) == na2d(q, k, v, ..., rpb=rpb, scale=s)``.
+
+    NATTEN 0.17's tensors are heads-first, ``[B, heads, H, W, d]``: ``t.movedim(1, -2)``
+    turns one into ours, and ``t.movedim(-2, 1)`` back.
+
+    The semantics are NATTEN 0.17.5's (window start ``clamp(i // d - K // 2, 0, Lg - K) * d +
+    i % d`` per axis: ``natten_cpu_commons.h``'s ``get_window_start``; the bias entry
+    ``K - 1 + (key - query) / d``: ``get_pb_start``; the ``K*K`` axis row-major:
+    ``pointwise_neighborhood_2d.hpp``). Where ours differs: heads-last tensors and keyword
+    sizes; ``kernel_size`` 1 is accepted (NATTEN needs > 1); any float dtype on CPU (NATTEN's
+    CPU path: float32/float64) and any strides (NATTEN: contiguous); no ``additional_keys``
+    or ``is_causal``.
+    """
+    return _na_qk(2, q, k, kernel_size, dilation, rpb, backend)
+
+
+def na2d_av(attn: torch.Tensor, v: torch.Tensor, *, kernel_size: IntOrTuple,
+            dilation: IntOrTuple = 1, backend: Optional[str] = None) -> torch.Tensor:
+    """The second step of unfused 2-D NA, NATTEN 0.17's ``na2d_av``: each query's weighted sum
+    of its window's values.
+
+    Args:
+        attn: ``[B, H, W, heads, kh*kw]`` weights in :func:`na2d_qk`'s order, used as given
+            (apply the softmax first).
+        v: ``[B, H, W, heads, d_v]``; ``d_v`` may differ from the queries' head dim.
+        kernel_size, dilation, backend: as :func:`na2d_qk`.
+
+    Returns:
+        ``[B, H, W, heads, d_v]``.
+    """
+    return _na_av(2, attn, v, kernel_size, dilation, backend)
+
+
+def na1d_qk(q: torch.Tensor, k: torch.Tensor, *, kernel_size: IntOrTuple,
+            dilation: IntOrTuple = 1, rpb: Optional[torch.Tensor] = None,
+            backend: Optional[str] = None) -> torch.Tensor:
+    """1-D :func:`na2d_qk`: ``[B, L, heads, head_dim]`` q and k, ``rpb`` ``[heads, 2K-1]``;
+    returns ``[B, L, heads, K]``."""
+    return _na_qk(1, q, k, kernel_size, dilation, rpb, backend)
+
+
+def na1d_av(attn: torch.Tensor, v: torch.Tensor, *, kernel_size: IntOrTuple,
+            dilation: IntOrTuple = 1, backend: Optional[str] = None) -> torch.Tensor:
+    """1-D :func:`na2d_av`: ``[B, L, heads, K]`` weights and ``[B, L, heads, d_v]`` values."""
+    return _na_av(1, attn, v, kernel_size, dilation, backend)
+

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 from .. import backends, kernels
 
-__all__ = ["qna2d", "qna2d_reference", "qna2d_export"]
+__all__ = ["qna2d", "qna2d_weights", "qna_window_positions", "qna2d_reference",
+           "qna2d_export"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,6 +331,28 @@ def qna2d_reference(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.T
     return _qna2d_op(logits, v, rpb, window_weights, stride, sum_queries)
 
 
+def _unfold_windows(x: torch.Tensor, k: int, stride: int, value: float) -> torch.Tensor:
+    """Every ``k x k`` window of NHWC ``x [B, H, W, C]`` centred at each output position,
+    ``[B, C, k*k, Ho*Wo]`` (row-major offsets), ``value`` outside the map; sizes follow the
+    input's shape (what an export graph needs)."""
+    pad = (k - 1) // 2
+    x = F.pad(x.permute(0, 3, 1, 2), (pad, pad, pad, pad), value=value)
+    return F.unfold(x, k, stride=stride).reshape(x.shape[0], x.shape[1], k * k, -1)
+
+
+def _window_softmax(logits: torch.Tensor, rpb: Optional[torch.Tensor], k: int, stride: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Each learned query's softmax over each window's in-bounds keys (out-of-bounds keys get
+    0), ``[B, L, heads, k*k, Ho*Wo]`` in ``dtype``."""
+    B, L, h = logits.shape[0], logits.shape[3], logits.shape[4]
+    flat = logits.reshape(logits.shape[0], logits.shape[1], logits.shape[2], L * h)
+    z = _unfold_windows(flat if flat.dtype == dtype else flat.to(dtype), k, stride,
+                        float("-inf")).reshape(B, L, h, k * k, -1)
+    if rpb is not None:
+        z = z + (rpb if rpb.dtype == dtype else rpb.to(dtype)).reshape(L, h, k * k, 1)
+    return z.softmax(3)
+
+
 def qna2d_export(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
                  window_weights: Optional[torch.Tensor], kernel_size: int, stride: int,
                  sum_queries: bool) -> torch.Tensor:
@@ -339,24 +362,17 @@ def qna2d_export(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tens
     ``k * k`` copies of the logits and values, which inference affords. Tensors already in the
     compute dtype are not cast: each cast is two nodes of the exported graph."""
     B, L, h, d = logits.shape[0], logits.shape[3], logits.shape[4], v.shape[-1]
-    k, pad = kernel_size, (kernel_size - 1) // 2
+    k = kernel_size
     dtype = _compute_dtype(v.dtype)
 
     def cast(x, to=dtype):
         return x if x.dtype == to else x.to(to)
 
-    def windows(x, value):  # NHWC [B, H, W, C] -> [B, C, k*k, Ho*Wo], ``value`` outside
-        x = F.pad(cast(x.permute(0, 3, 1, 2)), (pad, pad, pad, pad), value=value)
-        return F.unfold(x, k, stride=stride).reshape(B, x.shape[1], k * k, -1)
-
-    z = windows(logits.reshape(*logits.shape[:3], L * h), float("-inf")).reshape(
-        B, L, h, k * k, -1)
-    if rpb is not None:
-        z = z + cast(rpb).reshape(L, h, k * k, 1)
-    p = z.softmax(3)
+    p = _window_softmax(logits, rpb, k, stride, dtype)
     if window_weights is not None:
         p = p * cast(window_weights).reshape(L, h, k * k, 1)
-    values = windows(v.reshape(*v.shape[:3], h * d), 0.).reshape(B, 1, h, d, k * k, -1)
+    values = _unfold_windows(cast(v.reshape(*v.shape[:3], h * d)), k, stride, 0.).reshape(
+        B, 1, h, d, k * k, -1)
     Ho, Wo = _out_size(logits.shape[1], stride), _out_size(logits.shape[2], stride)
     if sum_queries:  # [B, h, d, Ho*Wo] -> [B, Ho, Wo, h, d]
         out = (p.sum(1).unsqueeze(2) * values[:, 0]).sum(3)
@@ -570,3 +586,36 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
     call = QnACall(str(v.device), v.dtype, kernel_size, stride, sum_queries, grad, v.shape[-1])
     return backends.dispatch("qna2d", call, backend, logits, v, rpb, window_weights, kernel_size,
                              stride, sum_queries)
+
+
+def qna2d_weights(logits: torch.Tensor, *, kernel_size: int, stride: int = 1,
+                  rpb: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """QnA's attention weights, unfused: each learned query's softmax over each window,
+    ``[B, H_out, W_out, L, heads, k*k]`` in ``logits``' dtype (computed in float32 for half
+    precision, as :func:`qna2d`). Entry ``t = a * k + b`` is window offset ``(a, b)``, the key at
+    :func:`qna_window_positions`; keys outside the map get 0, so each query's weights sum to 1
+    over its window. :func:`qna2d` multiplies them by ``window_weights`` and sums each window's
+    values with them (torch only: inspection, not a backend-dispatched op)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 5:
+        raise ValueError("qna2d_weights: logits must be a 5-D tensor [B, H, W, L, heads], got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else logits!r}")
+    probe = logits.new_empty((*logits.shape[:3], logits.shape[4], 1))
+    _check_call(logits, probe, kernel_size, stride, rpb, None, True)
+    B, L, h, k = logits.shape[0], logits.shape[3], logits.shape[4], kernel_size
+    Ho, Wo = _out_size(logits.shape[1], stride), _out_size(logits.shape[2], stride)
+    p = _window_softmax(logits, rpb, k, stride, _compute_dtype(logits.dtype))
+    return p.reshape(B, L, h, k * k, Ho, Wo).permute(0, 4, 5, 1, 2, 3).to(logits.dtype)
+
+
+def qna_window_positions(H: int, W: int, *, kernel_size: int, stride: int = 1,
+                         device: Optional[torch.device] = None) -> torch.Tensor:
+    """``[H_out, W_out, k*k, 2]`` int64: the ``(y, x)`` of each window's keys on the ``H x W``
+    map, in :func:`qna2d_weights`' order; positions outside the map (a window at the border)
+    are kept, with weight 0."""
+    k, r = kernel_size, (kernel_size - 1) // 2
+    ys = torch.arange(_out_size(H, stride), device=device) * stride - r
+    xs = torch.arange(_out_size(W, stride), device=device) * stride - r
+    offsets = torch.arange(k, device=device)
+    y = (ys.view(-1, 1, 1, 1) + offsets.view(1, 1, k, 1)).expand(-1, len(xs), k, k)
+    x = (xs.view(1, -1, 1, 1) + offsets.view(1, 1, 1, k)).expand(len(ys), -1, k, k)
+    return torch.stack([y, x], -1).reshape(len(ys), len(xs), k * k, 2)
