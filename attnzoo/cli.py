@@ -319,6 +319,19 @@ def _cmd_export(args, parser) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         parser.error(f"{args.out}: folder {out_dir} does not exist")
+    opsets = _export_opsets(args.dynamo)
+    if args.opset is not None and args.opset not in opsets:
+        other = _export_opsets(not args.dynamo)
+        parser.error(f"--opset {args.opset}: the {'dynamo' if args.dynamo else 'TorchScript'} "
+                     f"exporter writes opsets {opsets[0]} to {opsets[-1]}; the "
+                     f"{'TorchScript' if args.dynamo else 'dynamo'} exporter "
+                     f"({'without' if args.dynamo else 'with'} --dynamo) {other[0]} to "
+                     f"{other[-1]}")
+    if args.checkpoint:  # a file timm's loader would fail on with a traceback: one line here
+        try:
+            hub.read_checkpoint(args.checkpoint)
+        except (ValueError, OSError) as e:
+            parser.error(f"--checkpoint {args.checkpoint}: {_one_line(e)}")
     try:
         model = timm.create_model(args.model, pretrained=False, exportable=True,
                                   checkpoint_path=args.checkpoint or "",
@@ -353,7 +366,15 @@ def _cmd_export(args, parser) -> int:
         warnings.simplefilter("ignore", DeprecationWarning)
         onnx_export(model, args.out, example_input=x, opset=args.opset,
                     dynamic_size=args.dynamic_size, use_dynamo=args.dynamo, check=True)
-    print(f"wrote {args.out}: onnx.checker.check_model(full_check=True) passes", flush=True)
+    import onnx
+    written = next(o.version for o in onnx.load(args.out, load_external_data=False).opset_import
+                   if o.domain in ("", "ai.onnx"))
+    if args.opset is not None and written != args.opset:  # never a file of another opset
+        os.remove(args.out)
+        parser.error(f"--opset {args.opset}: the exporter wrote opset {written} instead; "
+                     "nothing written")
+    print(f"wrote {args.out} (opset {written}): onnx.checker.check_model(full_check=True) "
+          "passes", flush=True)
     if args.check:  # the export's input, then another batch (and size, where it is dynamic)
         import onnxruntime
         session = onnxruntime.InferenceSession(args.out, providers=["CPUExecutionProvider"])
@@ -416,10 +437,14 @@ def _cmd_attention(args, parser) -> int:
         image = Image.open(args.image).convert("RGB")
     except (OSError, ValueError) as e:
         parser.error(f"{args.image}: cannot read the image: {_one_line(e)}")
+    if args.checkpoint and args.model_kwargs:
+        parser.error("--model-kwargs and --checkpoint: the checkpoint's model arguments are used")
     try:
-        model = timm.create_model(args.model, pretrained=args.pretrained,
-                                  checkpoint_path=args.checkpoint or "",
-                                  **dict(args.model_kwargs)).eval()
+        if args.checkpoint:  # any layout convert or publish reads, its head size included
+            model = hub.load_checkpoint_model(args.model, args.checkpoint).model
+        else:
+            model = timm.create_model(args.model, pretrained=args.pretrained,
+                                      **dict(args.model_kwargs)).eval()
     except (RuntimeError, TypeError, ValueError, OSError) as e:
         where = f"--checkpoint {args.checkpoint}" if args.checkpoint else (
             f"cannot build {args.model}")
@@ -464,6 +489,15 @@ def _cmd_attention(args, parser) -> int:
           f"{rows}x{cols}, {labels[0] if len(labels) == 1 else f'{len(labels)} {group}s'}",
           flush=True)
     return 0
+
+
+def _export_opsets(dynamo: bool) -> range:
+    """The ONNX opsets an exporter writes: torch's dynamo exporter builds opset 18 graphs and
+    newer (onnxscript's torchlib), the TorchScript one 7 to its maximum."""
+    from torch.onnx import _constants
+    if dynamo:
+        return range(18, _constants.ONNX_MAX_OPSET + 1)
+    return range(_constants.ONNX_MIN_OPSET, _constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET + 1)
 
 
 def _cmd_check(args, parser) -> int:
@@ -759,7 +793,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a head index (SAN: channel group), mean (their average) or all (one "
                         "panel each)")
     p.add_argument("--checkpoint", default=None,
-                   help="weights to load (timm's checkpoint_path); default: random weights")
+                   help="weights to load: an official checkpoint, a train.py checkpoint or a "
+                        "safetensors file (as publish reads them); default: random weights")
     p.add_argument("--pretrained", action="store_true",
                    help="the tag's pretrained weights from the Hub (default: random weights)")
     p.add_argument("--img-size", type=_int_at_least(1), default=None,

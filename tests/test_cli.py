@@ -317,7 +317,13 @@ def test_cli_attention_loads_the_checkpoint_and_names_bad_layers(picture, tmp_pa
     assert cli.main(["attention", "nat_mini", str(picture), "--layer", "stages.3.blocks.0.attn",
                      "--query", "60,80", "--checkpoint", str(weights), "-o", str(out)]) == 0
     assert "random weights" not in capsys.readouterr().out and out.exists()
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"PK\x03\x04 not really a zip archive")
     for args, message in (
+            (["--checkpoint", str(garbage)], f"--checkpoint {garbage}: '{garbage}' is not a "
+                                             "readable torch or safetensors checkpoint"),
+            (["--checkpoint", str(weights), "--model-kwargs", "num_classes=3"],
+             "--model-kwargs and --checkpoint: the checkpoint's model arguments are used"),
             (["--layer", "9.0"], "--layer: '9.0' is not an attention layer of NAT; accepted: "),
             (["--layer", "0.0", "--head", "5"], "--head 5: head must be 'mean', 'all' or a head "
                                                "index below 2, got 5"),

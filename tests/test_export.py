@@ -379,6 +379,26 @@ def test_cli_rejects_a_checkpoint_that_does_not_fit_in_one_line(tmp_path, capsys
     assert err.strip().splitlines()[-1].startswith(f"attnzoo export: error: --checkpoint {bad}: ")
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--dynamo", "--opset", "11"], "--opset 11: the dynamo exporter writes opsets 18 to "),
+    (["--opset", "99"], "--opset 99: the TorchScript exporter writes opsets 7 to ")])
+def test_cli_refuses_an_opset_the_exporter_cannot_write(flags, message, tmp_path, capsys):
+    out_file = tmp_path / "a.onnx"
+    code, out, err = _run_cli(["export", "nat_mini", str(out_file)] + flags, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
+    assert not out_file.exists()
+
+
+def test_cli_rejects_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"PK\x03\x04 not really a zip archive")
+    code, out, err = _run_cli(["export", "nat_mini", str(tmp_path / "a.onnx"),
+                               "--checkpoint", str(garbage)], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"attnzoo export: error: --checkpoint {garbage}: '{garbage}' is not a "
+                          "readable torch or safetensors checkpoint (corrupted or truncated?)")
+
+
 def test_cli_says_in_one_line_why_a_fixed_size_model_has_no_dynamic_size(tmp_path, capsys):
     code, out, err = _run_cli(["export", "quest_vit_tiny_patch16_224", str(tmp_path / "q.onnx"),
                                "--dynamic-size"], capsys)
