@@ -4,6 +4,8 @@ oracle, the toy training of the paper's Section 2, and QUEST on neighborhood att
 import functools
 import math
 
+import re
+
 import pytest
 import timm
 import torch
@@ -752,3 +754,20 @@ def test_nat_quest_on_the_cuda_backend():
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("size", [(200, 260), (224, 160)])
+def test_the_advice_for_another_size_runs(size):
+    """A fixed-size model given another size names two ways to create one for it; both run (at
+    sizes that are no multiple of the patch, as timm's own ViTs do)."""
+    model = timm.create_model("quest_vit_tiny_patch16_224", depth=1).eval()
+    x = torch.randn(1, 3, *size)
+    with pytest.raises(ValueError) as info:
+        model(x)
+    advice = re.findall(r"(img_size=\(\d+, \d+\)|dynamic_img_size=True(?:, "
+                        r"dynamic_img_pad=True)?)", str(info.value))
+    assert advice and advice[0] == f"img_size={size}", str(info.value)
+    for kwargs in advice:
+        built = eval(f"dict({kwargs})")
+        assert timm.create_model("quest_vit_tiny_patch16_224", depth=1, **built).eval()(
+            x).shape == (1, 1000), kwargs

@@ -111,11 +111,15 @@ def check_patch_input(x: torch.Tensor, in_chans: int, img_size: Optional[Tuple[i
     than the one a fixed-size model was built for, or one that is no multiple of the patch."""
     x = check_image_input(x, in_chans, min(patch_size))
     H, W = x.shape[2], x.shape[3]
-    if img_size is not None and strict_img_size and (H != img_size[0] or W != img_size[1]):
-        raise ValueError(f"the model was built for img_size={img_size[0]}x{img_size[1]}, got "
-                         f"{H}x{W}; create it with img_size=({H}, {W}) (the position embedding "
-                         "is resampled on loading) or dynamic_img_size=True")
-    if not dynamic_img_pad and (H % patch_size[0] != 0 or W % patch_size[1] != 0):
+    whole = H % patch_size[0] == 0 and W % patch_size[1] == 0
+    if img_size is not None and strict_img_size:
+        if H != img_size[0] or W != img_size[1]:
+            dynamic = "dynamic_img_size=True" + ("" if whole else ", dynamic_img_pad=True")
+            raise ValueError(f"the model was built for img_size={img_size[0]}x{img_size[1]}, "
+                             f"got {H}x{W}; create it with img_size=({H}, {W}) (the position "
+                             f"embedding is resampled on loading) or {dynamic}")
+        return x  # as timm's ViTs: the patch conv leaves out the rows and columns past a patch
+    if not dynamic_img_pad and not whole:
         raise ValueError(f"input height and width must be multiples of the patch size "
                          f"{patch_size[0]}x{patch_size[1]}, got {H}x{W}; or create the model "
                          "with dynamic_img_pad=True")
