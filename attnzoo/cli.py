@@ -210,8 +210,15 @@ def _cmd_convert(args, parser) -> int:
     except (ValueError, OSError, ImportError) as e:
         parser.error(f"{args.checkpoint}: {_one_line(e)}")
     hub.save_converted(state_dict, args.out)
+    import timm
+    cfg = timm.create_model(args.model, device="meta").pretrained_cfg
+    sizes = hub.head_and_stem_args(cfg, state_dict)
+    # timm keeps a checkpoint's classifier only where the pretrained cfg has its class count
+    overlay = f", num_classes={sizes['num_classes']}" if "num_classes" in sizes else ""
+    kwargs = "".join(f", {k}={v}" for k, v in sizes.items())
     print(f"wrote {args.out} ({len(state_dict)} tensors). Load it with timm.create_model("
-          f"'{args.model}', pretrained=True, pretrained_cfg_overlay=dict(file='{args.out}'))")
+          f"'{args.model}', pretrained=True{kwargs}, pretrained_cfg_overlay=dict("
+          f"file='{args.out}'{overlay}))")
     return 0
 
 

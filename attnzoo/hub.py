@@ -156,6 +156,20 @@ def _convert(model_name: str, checkpoint: Any, model: Optional[torch.nn.Module] 
     return {k: v.contiguous() for k, v in state_dict.items()}
 
 
+def head_and_stem_args(cfg: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]
+                       ) -> Dict[str, int]:
+    """The ``num_classes`` / ``in_chans`` a state dict's classifier and stem need where they
+    differ from the model's defaults (``cfg``: its pretrained cfg)."""
+    args = {}
+    head = state_dict.get(f"{cfg['classifier']}.weight")
+    if head is not None and head.shape[0] != cfg["num_classes"]:
+        args["num_classes"] = head.shape[0]
+    stem = state_dict.get(f"{cfg['first_conv']}.weight")
+    if stem is not None and stem.shape[1] != 3:
+        args["in_chans"] = stem.shape[1]
+    return args
+
+
 def load_official(model_name: str, path: PathLike, **model_kwargs) -> Dict[str, torch.Tensor]:
     """Read an official checkpoint of ``model_name``'s family and convert it to the state dict of
     ``timm.create_model(model_name, **model_kwargs)``; raises ``ValueError`` naming what does not
@@ -304,13 +318,8 @@ def load_checkpoint_model(model_name: str, path: PathLike,
     except TypeError as e:  # an argument the model does not take
         raise ValueError(f"{name}: {model_name} cannot be built with {kwargs}: {e}") from None
     state_dict = _convert(model_name, checkpoint, model)
-    cfg, inferred = model.pretrained_cfg, {}
-    head = state_dict.get(f"{cfg['classifier']}.weight")
-    if "num_classes" not in kwargs and head is not None and head.shape[0] != cfg["num_classes"]:
-        inferred["num_classes"] = head.shape[0]
-    stem = state_dict.get(f"{cfg['first_conv']}.weight")
-    if "in_chans" not in kwargs and stem is not None and stem.shape[1] != 3:
-        inferred["in_chans"] = stem.shape[1]
+    inferred = {k: v for k, v in head_and_stem_args(model.pretrained_cfg, state_dict).items()
+                if k not in kwargs}
     if inferred:
         kwargs.update(inferred)
         model = timm.create_model(model_name, device="meta", **kwargs)

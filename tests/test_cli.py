@@ -182,6 +182,20 @@ def test_cli_convert_writes_the_format_its_output_name_says(suffix, tmp_path, ca
         assert torch.equal(model.state_dict()[k], v), k
 
 
+def test_cli_convert_load_line_fits_a_fine_tuned_head(tmp_path, capsys):
+    """A train.py checkpoint of a 2-class nat_mini: the printed line builds that head."""
+    source = timm.create_model("nat_mini", num_classes=2)
+    checkpoint, out = tmp_path / "checkpoint-0.pth.tar", tmp_path / "nat2.safetensors"
+    torch.save({"state_dict": source.state_dict(), "epoch": 0,
+                "args": argparse.Namespace(model="nat_mini", num_classes=2)}, checkpoint)
+    assert cli.main(["convert", "nat_mini", str(checkpoint), str(out)]) == 0
+    load = capsys.readouterr().out.strip().split("Load it with ", 1)[1]
+    assert "num_classes=2" in load
+    model = eval(load, {"timm": timm})
+    for k, v in source.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
 def test_cli_output_closed_early_stops_quietly_like_unix_tools(monkeypatch, capsys):
     """`attnzoo list | head -1`: the reader goes away; the command stops without a traceback,
     with the status of a process killed by SIGPIPE (it was a BrokenPipeError traceback)."""
