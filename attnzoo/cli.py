@@ -82,6 +82,34 @@ def _key_value(text: str):
         return key, value
 
 
+def _check_model_kwargs(parser: argparse.ArgumentParser, model_name: str, kwargs) -> None:
+    """A ``--model-kwargs`` string where the model's argument takes another type (a number, a
+    bool, a tuple): one line naming the argument and its type, not a failure deep inside."""
+    strings = [(key, value) for key, value in kwargs if isinstance(value, str)]
+    if not strings:
+        return
+    import inspect
+
+    import timm
+    try:
+        model_cls = type(timm.create_model(model_name, device="meta"))
+    except Exception:  # noqa: BLE001 - building it again reports the error where it belongs
+        return
+    defaults = {}
+    for cls in reversed(model_cls.__mro__):
+        if "__init__" in vars(cls):
+            defaults.update((p.name, p.default)
+                            for p in inspect.signature(cls.__init__).parameters.values())
+    for key, value in strings:
+        default = defaults.get(key)
+        if default is not None and default is not inspect.Parameter.empty and not isinstance(
+                default, str):
+            kind = type(default).__name__
+            parser.error(f"--model-kwargs {key}={value}: {key} takes "
+                         f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} (default {default!r}), "
+                         f"got the string {value!r}")
+
+
 def _backend_list(text: str) -> List[str]:
     try:
         return [backends._check_name(name) for name in text.split(",")]
@@ -150,6 +178,7 @@ def _cmd_bench(args, parser) -> int:
     dtype = _DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
+    _check_model_kwargs(parser, args.model, args.model_kwargs)
     kwargs = dict(args.model_kwargs)
     try:
         model = timm.create_model(args.model, pretrained=False, **kwargs)
@@ -334,6 +363,7 @@ def _cmd_export(args, parser) -> int:
                      f"{'TorchScript' if args.dynamo else 'dynamo'} exporter "
                      f"({'without' if args.dynamo else 'with'} --dynamo) {other[0]} to "
                      f"{other[-1]}")
+    _check_model_kwargs(parser, args.model, args.model_kwargs)
     if args.checkpoint:  # a file timm's loader would fail on with a traceback: one line here
         try:
             hub.read_checkpoint(args.checkpoint)
@@ -446,6 +476,7 @@ def _cmd_attention(args, parser) -> int:
         parser.error(f"{args.image}: cannot read the image: {_one_line(e)}")
     if args.checkpoint and args.model_kwargs:
         parser.error("--model-kwargs and --checkpoint: the checkpoint's model arguments are used")
+    _check_model_kwargs(parser, args.model, args.model_kwargs)
     try:
         if args.checkpoint:  # any layout convert or publish reads, its head size included
             model = hub.load_checkpoint_model(args.model, args.checkpoint).model

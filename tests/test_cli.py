@@ -106,6 +106,12 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
                                   "'qna_vit', 'quest_vit', 'san')"),
     (["bench", "nat_mini", "--model-kwargs", "oops"],
      "argument --model-kwargs: expected KEY=VALUE, got 'oops'"),
+    (["bench", "nat_mini", "--model-kwargs", "num_classes=abc"],
+     "--model-kwargs num_classes=abc: num_classes takes an int (default 1000), got the string "
+     "'abc'"),
+    (["export", "qna_vit_tiny", "q.onnx", "--model-kwargs", "drop_path_rate=high"],
+     "--model-kwargs drop_path_rate=high: drop_path_rate takes a float (default 0.05), got the "
+     "string 'high'"),
     (["bench", "nat_mini", "--model-kwargs", "bogus=1"],
      "cannot build nat_mini: NAT.__init__() got an unexpected keyword argument 'bogus'"),
     (["bench", "san10_pairwise", "--img-size", "32"],
