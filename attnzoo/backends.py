@@ -6,7 +6,8 @@ Every local-attention op in :mod:`attnzoo.ops` can run on several backends:
 * ``"natten"`` - NATTEN's kernels (optional: ``pip install --no-build-isolation natten``).
 * ``"cuda"``   - attnzoo's own fused Triton kernels (CUDA tensors; CPU only under
   ``TRITON_INTERPRET=1``).
-* ``"auto"``   - per call, the fastest backend that supports it; ``torch`` is the last resort.
+* ``"auto"``   - per call, the first backend of :data:`AUTO_ORDER` for the call's device that
+  runs it (our kernels only where verified); ``torch`` is the last resort.
 
 Selection, most specific first: an explicit ``backend=`` argument, :func:`use_backend` (a
 context manager, per thread), :func:`set_backend` (process default), the ``ATTNZOO_BACKEND``

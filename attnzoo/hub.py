@@ -568,10 +568,10 @@ def backends_lines(arch: str, facts: Mapping[str, Any]) -> Union[str, list]:
         f"{name}: {'runs it' if reason is None else 'no, ' + reason}"
         for name, reason in facts["backends"][op].items()) for op in facts["ops"]]
     where = "; ".join(f"{name}: {text}" for name, text in backends.RUNS_ON.items())
-    return lines + [f"{where}. `auto` picks, per call, the fastest of them that runs it (the "
-                    "cuda kernels only where a verification record covers the GPU, dtype and "
-                    f"Triton: README, \"Attention backends\"); `attnzoo info {arch}` tries "
-                    "each on your machine"]
+    return lines + [f"{where}. `auto` picks, per call, the first of them in a fixed order that "
+                    "runs it: on CUDA cuda (only where a verification record covers the GPU, "
+                    "dtype and Triton: README, \"Attention backends\"), natten, torch; on CPU "
+                    f"torch. `attnzoo info {arch}` tries each on your machine"]
 
 
 def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str = "",
