@@ -20,7 +20,7 @@ import torch
 from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import na1d, na1d_av, na1d_qk, na2d, na2d_av, na2d_qk
 from oracles import na_scores, na_weighted_sum, neighborhood_attention
-from test_ops_neighborhood import _fake_legacy_natten, grads_of, make_inputs
+from test_ops_neighborhood import grads_of, legacy_natten, make_inputs  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.floor
 
@@ -146,16 +146,6 @@ def test_natten_020_has_no_unfused_ops(monkeypatch):
     q = torch.randn(1, 8, 8, 2, 4)
     with pytest.raises(BackendUnsupportedError, match=r"NATTEN >= 0\.20 has no unfused na2d_qk"):
         na2d_qk(q, q, kernel_size=3, backend="natten")
-
-
-@pytest.fixture
-def legacy_natten(monkeypatch):
-    from attnzoo.ops import neighborhood as nbh
-    natten, functional, calls = _fake_legacy_natten()
-    monkeypatch.setitem(sys.modules, "natten", natten)
-    monkeypatch.setitem(sys.modules, "natten.functional", functional)
-    assert nbh._natten()[1] == "legacy"
-    return calls
 
 
 def test_natten_017_runs_the_unfused_ops_in_its_layout(legacy_natten):
