@@ -28,10 +28,12 @@ import argparse
 import ast
 import contextlib
 import difflib
+import fnmatch
 import importlib.util
 import itertools
 import math
 import os
+import re
 import runpy
 import signal
 import statistics
@@ -45,6 +47,7 @@ import torch
 from . import __version__, backends, hub
 from .check import check_backend, severity
 from .models import list_models, model_family
+from .models._weights import WEIGHTS, pending_repo
 from .profiling import count_macs, count_params, first_line, model_step, time_steps
 
 # attnzoo export --check: onnxruntime's fp32 logits against PyTorch's (issue 26's bound; each
@@ -110,6 +113,14 @@ def _check_model_kwargs(parser: argparse.ArgumentParser, model_name: str, kwargs
                          f"got the string {value!r}")
 
 
+def _license_id(text: str) -> str:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", text):
+        raise argparse.ArgumentTypeError(
+            f"a Hub licence id is lowercase letters, digits, '.', '+' and '-' (apache-2.0, mit, "
+            f"cc-by-nc-4.0, other), got {text!r}")
+    return text
+
+
 def _backend_list(text: str) -> List[str]:
     try:
         return [backends._check_name(name) for name in text.split(",")]
@@ -141,11 +152,24 @@ def _families() -> List[str]:
     return sorted({model_family(name) for name in list_models()})
 
 
+def _pending_tags(filter: str, family: str) -> List[str]:
+    """The tags matching ``filter`` / ``family`` whose weights are not on the Hub yet."""
+    archs = set(list_models(family=family))
+    return sorted(t for t in WEIGHTS if pending_repo(t) and t.split(".", 1)[0] in archs
+                  and (not filter or fnmatch.fnmatch(t, filter)))
+
+
 def _cmd_list(args, parser) -> int:
     names = list_models(args.filter, pretrained=args.pretrained, family=args.family)
+    pending = _pending_tags(args.filter, args.family) if args.pretrained else []
+    pending_line = (f"not on the Hub yet, so not pretrained (`attnzoo info TAG` says where the "
+                    f"official weights are): {', '.join(pending)}")
     if not names:
-        what = "pretrained tag" if args.pretrained else "model"
         family = f" of family {args.family}" if args.family else ""
+        if pending:
+            matches = f" matches {args.filter!r}" if args.filter else ""
+            parser.error(f"no downloadable pretrained tag{family}{matches}; " + pending_line)
+        what = "pretrained tag" if args.pretrained else "model"
         close = difflib.get_close_matches(args.filter, list_models(pretrained=args.pretrained),
                                           n=4, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else (
@@ -153,6 +177,8 @@ def _cmd_list(args, parser) -> int:
         parser.error(f"no attnzoo {what}{family} matches {args.filter!r}; {hint}")
     for name in names:
         print(name)
+    if pending:  # on stderr: stdout stays a list of loadable tags
+        print(pending_line, file=sys.stderr)
     return 0
 
 
@@ -312,6 +338,9 @@ def _cmd_publish(args, parser) -> int:
             evaluation = hub.evaluate(model, args.eval_dir, args.batch_size, args.workers)
             print(f"        {args.eval_dir}: top-1 {evaluation['top1']:.2f}%, top-5 "
                   f"{evaluation['top5']:.2f}% on {evaluation['images']} images", flush=True)
+        if args.license:
+            model.pretrained_cfg = model.default_cfg = {**model.pretrained_cfg,
+                                                        "license": args.license}
         origin = model.pretrained_cfg.get("origin_url")
         weights = (f"{source}{f' (official code and weights: {origin})' if origin else ''}, "
                    f"converted and checked by `attnzoo publish` (attnzoo {__version__})")
@@ -773,6 +802,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "1000-class head (default: none)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=32, help="for --eval-dir")
     p.add_argument("--workers", type=_int_at_least(0), default=4, help="for --eval-dir")
+    p.add_argument("--license", type=_license_id, default=None,
+                   help="the weights' licence, a Hub licence id (apache-2.0, mit, cc-by-4.0, "
+                        "other...; default: an official checkpoint's own; 'other' for a "
+                        "train.py checkpoint, whose licence is its trainer's to state)")
     p.add_argument("--private", action="store_true",
                    help="create the repo private (default: public)")
     p.add_argument("--revision", default=None,

@@ -40,13 +40,14 @@ import torch
 
 from . import __version__, backends
 from .models import list_models, model_family
-from .models._helpers import HUB_ORG, checkpoint_kind, hub_repo
+from .models._helpers import checkpoint_kind
+from .models._weights import HUB_ORG, WEIGHTS, hub_repo
 from .profiling import count_macs, count_params
 
 __all__ = ["HUB_ORG", "hub_repo", "PAPER_TOP1", "TRANSFORMERS_WITHOUT_ATTNZOO", "read_checkpoint",
            "load_official", "CONVERTED_FORMATS", "check_output_path", "save_converted",
            "LoadedCheckpoint", "load_checkpoint_model", "input_shape", "check_finite", "evaluate",
-           "measure_facts", "backends_here", "config_line", "input_sizes", "PUBLISHED_REPOS",
+           "measure_facts", "backends_here", "config_line", "input_sizes",
            "weights_source", "backends_lines", "class_names", "model_card", "transformers_usage",
            "readme", "model_cards_markdown", "publish_table", "check_repo_id", "check_out_dir",
            "write_hub_folder", "check_reload", "check_token", "upload"]
@@ -86,6 +87,10 @@ TRANSFORMERS_WITHOUT_ATTNZOO = ("ImportError: The model architecture '{arch}' is
 
 # timm train.py's checkpoint (CheckpointSaver): the model's and the EMA model's state dicts.
 _TRAIN_KEYS = ("state_dict", "state_dict_ema")
+# What a pretrained cfg says of the tag's official weights; a train.py checkpoint's model drops
+# them (its card then states no dataset tag, no origin, and the licence publish is given)
+_OFFICIAL_WEIGHTS_FIELDS = ("tag", "license", "origin_url", "notes", "hf_hub_id",
+                            "hf_hub_filename", "url", "file")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,6 +300,8 @@ def load_checkpoint_model(model_name: str, path: PathLike,
     name = source = os.path.basename(os.fspath(path))
     kwargs: Dict[str, Any] = {}
     train_args, from_args = None, ""
+    # timm's CheckpointSaver writes "arch"; an official {'epoch', 'state_dict'} file does not
+    trained = isinstance(checkpoint, dict) and "arch" in checkpoint
     if isinstance(checkpoint, dict) and any(k in checkpoint for k in _TRAIN_KEYS):
         key = "state_dict_ema" if use_ema else "state_dict"
         if key not in checkpoint:
@@ -338,6 +345,9 @@ def load_checkpoint_model(model_name: str, path: PathLike,
         if data:
             model.pretrained_cfg = model.default_cfg = {**model.pretrained_cfg, **data}
             from_args += "; data config " + ", ".join(f"{k}={v!r}" for k, v in data.items())
+    if trained:  # whoever trained it: not the tag's official weights, nor their licence
+        model.pretrained_cfg = model.default_cfg = {
+            **model.pretrained_cfg, **dict.fromkeys(_OFFICIAL_WEIGHTS_FIELDS)}
     model_args = {k: v for k, v in kwargs.items() if k != "num_classes"}
     return LoadedCheckpoint(model.eval(), source, model_args, from_args)
 
@@ -525,32 +535,24 @@ def export_line(cfg: Mapping[str, Any]) -> str:
             "--dynamic-size`)")
 
 
-# The project's Hub repos that a maintainer has published (README: "publish table"): none yet,
-# as the machines that build attnzoo cannot reach the Hub. Add a repo once its upload is done,
-# then regenerate MODEL_CARDS.md and the table (python scripts/make_model_cards.py).
-PUBLISHED_REPOS: frozenset = frozenset()
-
-
 def weights_source(tag: str) -> str:
-    """Where ``pretrained=True`` gets tag ``tag``'s weights, in a sentence; the project's repos
-    that are not in :data:`PUBLISHED_REPOS` are said to be published later."""
+    """Where ``pretrained=True`` gets tag ``tag``'s weights, in a sentence, from its record in
+    :data:`attnzoo.models._weights.WEIGHTS` (or its cfg, for a tag without a record)."""
     import timm
     cfg = timm.get_pretrained_cfg(tag)
     if cfg is None or not cfg.tag:
         return "no pretrained tag"
-    home = hub_repo(tag)
-    if cfg.hf_hub_id and cfg.hf_hub_id == home:
-        if home in PUBLISHED_REPOS:
-            return (f"Hub repo {home}: the official checkpoint ({cfg.origin_url}) converted by "
-                    "`attnzoo publish`")
-        return (f"Hub repo {home}, to be published with the official checkpoint "
-                f"({cfg.origin_url}) converted by `attnzoo publish`; until then pretrained=True "
-                "fails naming the repo and the `attnzoo convert` path")
-    if cfg.hf_hub_id:
-        native = (f"a timm-native copy: {home}" if home in PUBLISHED_REPOS else
-                  f"a timm-native copy is to be published as {home}, and the tag loads "
-                  f"{cfg.hf_hub_id} until it is pointed at the copy")
-        return f"Hub repo {cfg.hf_hub_id}, the authors' upload (converted on load); {native}"
+    record, home = WEIGHTS.get(tag), hub_repo(tag)
+    if record is not None and not record.published:
+        return (f"not on the Hub yet (to be published as {record.repo}); the official checkpoint "
+                f"is at {cfg.origin_url}: `attnzoo convert` it and load the file "
+                "(pretrained=True says how)")
+    if record is not None and record.repo == home:
+        return (f"Hub repo {home}: the official checkpoint ({cfg.origin_url}) converted by "
+                "`attnzoo publish`")
+    if record is not None:
+        return (f"Hub repo {record.repo}, the authors' upload (converted on load); a timm-native "
+                f"copy can be published as {home}, and the tag then pointed at it")
     if cfg.url:
         return f"URL {cfg.url}"
     if cfg.file:
@@ -624,14 +626,18 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         details["Throughput"] = throughput
     details["Labels"] = labels
     load = f"hf-hub:{repo_id}" if repo_id else name
+    hf_ready = bool(tag and cfg.get("hf_hub_id"))  # the tag's weights are on the Hub now
     usage = ("With timm:\n\n```python\nimport timm\nimport torch\n\n"
              "import attnzoo  # registers attnzoo's models with timm: before create_model\n\n"
-             f"model = timm.create_model('{load}', pretrained={bool(repo_id or tag)}).eval()\n"
+             f"model = timm.create_model('{load}', pretrained={bool(repo_id or hf_ready)})"
+             ".eval()\n"
              "data_config = timm.data.resolve_model_data_config(model)\n"
              "transform = timm.data.create_transform(**data_config, is_training=False)\n"
              "with torch.no_grad():\n"
              "    logits = model(transform(image).unsqueeze(0))  # image: a PIL image\n```\n\n"
-             + transformers_usage(arch, repo_id or (hub_repo(name) if tag else "")))
+             + transformers_usage(arch, repo_id or (hub_repo(name) if hf_ready and
+                                                     cfg.get("hf_hub_id") == hub_repo(name)
+                                                     else "")))
     rows = [f"| | {'ImageNet-1k ' if n == 1000 else ''}top-1 | top-5 | source |",
             "|---|---|---|---|"]
     if arch in PAPER_TOP1:
@@ -860,20 +866,20 @@ def upload(folder: PathLike, repo_id: str, *, private: bool = False,
 
 
 def publish_table() -> str:
-    """The README's table: every pretrained tag, its Hub repo in the project namespace, the
-    source checkpoint and the command a maintainer runs to publish it."""
+    """docs' table: every tag with weights, where its weights are now, its home in the project
+    namespace, the source checkpoint and the command a maintainer runs to publish it there."""
     import timm
-    rows = ["| tag | Hub repo | source checkpoint | command |", "|---|---|---|---|"]
-    for tag in list_models(pretrained=True):
+    rows = ["| tag | pretrained=True loads | project repo | source checkpoint | command |",
+            "|---|---|---|---|---|"]
+    for tag, record in sorted(WEIGHTS.items()):
         cfg = timm.get_pretrained_cfg(tag)
         arch = tag.split(".", 1)[0]
-        state = "published" if hub_repo(tag) in PUBLISHED_REPOS else "to be published"
-        if cfg.hf_hub_id == hub_repo(tag):
+        home = hub_repo(tag)
+        now = record.repo if record.published else "nothing: not on the Hub yet"
+        if record.repo == home:
             source = f"the official {arch} checkpoint linked from {cfg.origin_url}"
-            repo = f"{cfg.hf_hub_id} ({state})"
         else:
-            source = f"`{cfg.hf_hub_filename}` of https://huggingface.co/{cfg.hf_hub_id}"
-            repo = f"{hub_repo(tag)} (a copy, {state}; the tag loads {cfg.hf_hub_id})"
-        rows.append(f"| `{tag}` | {repo} | {source} | `attnzoo publish {tag} CHECKPOINT "
-                    f"--repo-id {hub_repo(tag)} --eval-dir IMAGENET_VAL` |")
+            source = f"`{record.filename}` of https://huggingface.co/{record.repo}"
+        rows.append(f"| `{tag}` | {now} | {home} | {source} | `attnzoo publish {tag} "
+                    f"CHECKPOINT --repo-id {home} --eval-dir IMAGENET_VAL` |")
     return "\n".join(rows) + "\n"

@@ -8,6 +8,7 @@ upload runs the real huggingface_hub client, in subprocesses, against tests/hub_
 """
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from PIL import Image
 
 import attnzoo
 from attnzoo import cli, hub
+from attnzoo.models._weights import WEIGHTS
 from checkpoint_layouts import (nat_to_official, nest, qna_official_manifest, san_to_official,
                                 san_training_checkpoint, write_flax_checkpoint)
 from hub_cache import offline_hf_cache, write_hf_cache
@@ -221,6 +223,39 @@ def test_train_checkpoint_publishes_the_weights_asked_for(tmp_path, capsys):
     assert f"| measured | {top1:.2f} |" in (out / "README.md").read_text()
 
 
+def test_a_fine_tuned_checkpoint_is_not_published_as_the_official_weights(tmp_path, capsys):
+    """nat_mini.in1k fine-tuned to 2 classes by train.py: its folder and card carry no "in1k"
+    tag, no official origin and not the official licence ('other', or --license's); the card
+    says what the head is. An official checkpoint keeps its tag, origin and licence."""
+    name = "nat_mini.in1k"
+    checkpoint = tmp_path / "checkpoint-0.pth.tar"
+    _train_checkpoint(checkpoint, name, num_classes=2)
+    for license_args, license in (([], "other"), (["--license", "apache-2.0"], "apache-2.0")):
+        out = tmp_path / f"out-{license}"
+        _publish(capsys, name, checkpoint, "--repo-id", "me/nat-pets", "--out", out, "--dry-run",
+                 *license_args)
+        cfg = json.loads((out / "config.json").read_text())["pretrained_cfg"]
+        assert "tag" not in cfg and "origin_url" not in cfg
+        assert cfg.get("license") == (None if license == "other" else license)
+        card = (out / "README.md").read_text()
+        front = yaml.safe_load(card.split("---\n")[1])
+        assert front["license"] == license
+        assert "in1k" not in card and "Neighborhood-Attention-Transformer" not in card.split(
+            "## Citation")[0].replace("https://arxiv.org", "")
+        assert "2, a head of its own (not ImageNet-1k's 1000 classes)" in card
+    with pytest.raises(SystemExit):
+        cli.main(["publish", name, str(checkpoint), "--repo-id", "me/x", "--license", "MIT!"])
+    assert "a Hub licence id is lowercase" in capsys.readouterr().err
+
+    official = tmp_path / "official.pth"
+    torch.save({"model": nat_to_official(_random_state_dict("nat_mini"))}, official)
+    out = tmp_path / "out-official"
+    _publish(capsys, name, official, "--repo-id", "me/nat", "--out", out, "--dry-run")
+    cfg = json.loads((out / "config.json").read_text())["pretrained_cfg"]
+    assert cfg["tag"] == "in1k" and cfg["license"] == "mit"
+    assert cfg["origin_url"] == "https://github.com/SHI-Labs/Neighborhood-Attention-Transformer"
+
+
 def test_a_model_whose_stem_is_not_three_channel_publishes_and_reloads_identically(
         tmp_path, capsys):
     """A 1-channel model (train.py --in-chans 1; its pretrained cfg still says 3 channels, as
@@ -385,10 +420,26 @@ def test_a_refusal_without_dry_run_uploads_nothing(tmp_path, capsys, monkeypatch
         assert set(server.repos) == {"org/refused"}
 
 
+def _package_publishing(tmp_path, tag) -> Path:
+    """A copy of the attnzoo package whose only change is ``tag``'s weights record flipped to
+    published (what a maintainer does after the upload): the folder to put on PYTHONPATH."""
+    import shutil
+    root = tmp_path / "published-pkg"
+    shutil.copytree(Path(attnzoo.__file__).parent, root / "attnzoo",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    record = root / "attnzoo" / "models" / "_weights.py"
+    text = record.read_text()
+    assert text.count(f"_project('{tag}')") == 1
+    record.write_text(text.replace(f"_project('{tag}')", f"_project('{tag}', published=True)"))
+    return root
+
+
 def test_upload_round_trip_through_a_hub_server(tmp_path):
     """`attnzoo publish` (the real huggingface_hub client, in a subprocess) uploads to a Hub
-    server on 127.0.0.1: the files that arrive are the folder's bytes; then, in a fresh process
-    with an empty cache, the tag's pretrained=True and hf-hub: download them and hold the
+    server on 127.0.0.1: the files that arrive are the folder's bytes. While the tag's record
+    says unpublished, the tag is not pretrained and pretrained=True refuses in one line though
+    the server has the repo; with the record flipped (and nothing else), in a fresh process with
+    an empty cache, the tag is pretrained and its pretrained=True and hf-hub: download the
     published weights; without a token the private repo is one clear error."""
     tag = "san10_pairwise.in1k"
     repo_id = hub.hub_repo(tag)
@@ -429,10 +480,28 @@ def test_upload_round_trip_through_a_hub_server(tmp_path):
             "    with torch.no_grad():\n"
             "        print(name, 'weights identical:', same, 'logits finite:',\n"
             "              bool(torch.isfinite(model(x)).all()))\n")
-        reload = subprocess.run([sys.executable, "-c", script, str(out / "model.safetensors")],
-                                env=server.client_env(tmp_path / "hf-down"),
+        state = ("import timm, attnzoo\n"
+                 f"print('PRETRAINED:', timm.list_models('san10*', pretrained=True), "
+                 f"timm.is_model_pretrained('{tag}'))\n"
+                 "try:\n"
+                 f"    timm.create_model('{tag}', pretrained=True)\n"
+                 "except ValueError as e:\n"
+                 "    print('REFUSED:', e)\n")
+        env = server.client_env(tmp_path / "hf-down")
+        before = subprocess.run([sys.executable, "-c", state], env=env, cwd=tmp_path,
                                 capture_output=True, text=True, timeout=600)
+        assert before.returncode == 0, before.stderr
+        assert "PRETRAINED: [] False" in before.stdout
+        assert f"REFUSED: {tag}: its weights are not on the Hugging Face Hub yet" in before.stdout
+        env["PYTHONPATH"] = os.pathsep.join([str(_package_publishing(tmp_path, tag)),
+                                             env.get("PYTHONPATH", "")])
+        reload = subprocess.run(
+            [sys.executable, "-c", script + "print('FROM', attnzoo.__file__)\n" + state,
+             str(out / "model.safetensors")], env=env, cwd=tmp_path,
+            capture_output=True, text=True, timeout=600)
         assert reload.returncode == 0, reload.stderr
+    assert f"FROM {tmp_path / 'published-pkg'}" in reload.stdout
+    assert f"PRETRAINED: ['{tag}'] True" in reload.stdout and "REFUSED" not in reload.stdout
     for name in (tag, f"hf-hub:{repo_id}"):
         assert f"{name} weights identical: True logits finite: True" in reload.stdout
     # timm alone knows no attnzoo architecture (its own message: the card says import attnzoo)
@@ -472,42 +541,67 @@ def test_upload_to_a_branch_leaves_main_alone(tmp_path, monkeypatch):
             hub.upload(folder, "org/branchy")
 
 
-def test_pretrained_without_weights_is_one_clear_error_naming_the_repo(tmp_path):
-    with offline_hf_cache(tmp_path):
-        for tag in ("qna_vit_tiny.in1k", "san10_pairwise.in1k", "nat_mini.in1k"):
-            repo = timm.get_pretrained_cfg(tag).hf_hub_id
-            arch = tag.split(".")[0]
-            with pytest.raises(OSError, match=(
-                    rf"^{re.escape(tag)}: cannot load its weights from the Hugging Face Hub repo "
-                    rf"{re.escape(repo)}: offline: HF_HUB_OFFLINE is set .*attnzoo convert {arch} "
-                    rf"CHECKPOINT {arch}.safetensors.*pretrained_cfg_overlay=dict\(file=")):
-                timm.create_model(tag, pretrained=True, device="meta")
+def test_pretrained_is_one_clear_error_where_the_weights_cannot_be_had(tmp_path):
+    """An unpublished tag: not on the Hub yet, the authors' link, convert and load; a published
+    one offline with an empty cache: the repo and why; both one line, never a random model."""
+    for tag, origin in (("qna_vit_tiny.in1k", "https://github.com/moabarar/qna"),
+                        ("san10_pairwise.in1k", "https://github.com/hszhao/SAN")):
+        arch = tag.split(".")[0]
+        with pytest.raises(ValueError) as e:
+            timm.create_model(tag, pretrained=True, device="meta")
+        assert "\n" not in str(e.value)
+        assert str(e.value) == (
+            f"{tag}: its weights are not on the Hugging Face Hub yet (they are to be published "
+            f"as attnzoo/{tag}); pretrained=True would give a randomly initialised model. "
+            f"Download the official checkpoint from {origin}, convert it with `attnzoo convert "
+            f"{arch} CHECKPOINT {arch}.safetensors`, then load it with timm.create_model("
+            f"'{tag}', pretrained=True, pretrained_cfg_overlay=dict(file='{arch}.safetensors')).")
+    with offline_hf_cache(tmp_path), pytest.raises(OSError, match=(
+            r"^nat_mini.in1k: cannot load its weights from the Hugging Face Hub repo "
+            r"shi-labs/nat-mini-in1k-224: offline: HF_HUB_OFFLINE is set .*attnzoo convert "
+            r"nat_mini CHECKPOINT nat_mini.safetensors.*pretrained_cfg_overlay=dict\(file=")):
+        timm.create_model("nat_mini.in1k", pretrained=True, device="meta")
 
 
-def test_every_pretrained_tag_has_a_hub_home_in_the_project_namespace():
-    tags = attnzoo.list_models(pretrained=True)
-    assert {"qna_vit_tiny.in1k", "san19_patchwise.in1k", "nat_mini.in1k"} <= set(tags)
-    for tag in tags:
+def test_where_each_tags_weights_are_is_one_record():
+    """Every tag with weights has one record (_weights.WEIGHTS); timm's view (hf_hub_id,
+    list_models(pretrained=True), is_model_pretrained), info, the cards and docs' publishing
+    table all follow it."""
+    tags = {t for arch in attnzoo.list_models() for t in timm.list_models(arch, include_tags=True)
+            if "." in t}
+    assert tags == set(WEIGHTS)
+    published = {t for t, w in WEIGHTS.items() if w.published}
+    assert set(attnzoo.list_models(pretrained=True)) == published
+    assert published == {t for t in tags if t.startswith(("nat_", "dinat_"))}
+    for tag, record in WEIGHTS.items():
         cfg = timm.get_pretrained_cfg(tag)
-        if tag.startswith(("qna_vit", "san")):
-            assert cfg.hf_hub_id == f"{hub.HUB_ORG}/{tag}" and cfg.hf_hub_filename is None
-        else:  # NAT / DiNAT: the authors' repos; the copies' home is in the table
-            assert cfg.hf_hub_id.startswith("shi-labs/")
+        assert cfg.hf_hub_id == (record.repo if record.published else None)
+        assert cfg.hf_hub_filename == (record.filename if record.published else None)
+        assert timm.is_model_pretrained(tag) == record.published
+    assert WEIGHTS["nat_mini.in1k"] == ("shi-labs/nat-mini-in1k-224", True, "pytorch_model.bin")
+    assert WEIGHTS["san10_pairwise.in1k"] == ("attnzoo/san10_pairwise.in1k", False, None)
     table = hub.publish_table()
-    assert not hub.PUBLISHED_REPOS  # nothing is published yet: every row and source says so
-    assert "| `nat_mini.in1k` | attnzoo/nat_mini.in1k (a copy, to be published; the tag loads " \
-        "shi-labs/nat-mini-in1k-224) |" in table
-    assert "| `san10_pairwise.in1k` | attnzoo/san10_pairwise.in1k (to be published) |" in table
+    assert ("| `nat_mini.in1k` | shi-labs/nat-mini-in1k-224 | attnzoo/nat_mini.in1k | "
+            "`pytorch_model.bin` of https://huggingface.co/shi-labs/nat-mini-in1k-224 |") in table
+    assert ("| `san10_pairwise.in1k` | nothing: not on the Hub yet | attnzoo/san10_pairwise.in1k "
+            "| the official san10_pairwise checkpoint linked from https://github.com/hszhao/SAN "
+            "|") in table
     assert hub.weights_source("nat_mini.in1k") == (
         "Hub repo shi-labs/nat-mini-in1k-224, the authors' upload (converted on load); a "
-        "timm-native copy is to be published as attnzoo/nat_mini.in1k, and the tag loads "
-        "shi-labs/nat-mini-in1k-224 until it is pointed at the copy")
-    assert hub.weights_source("san10_pairwise.in1k").startswith(
-        "Hub repo attnzoo/san10_pairwise.in1k, to be published with the official checkpoint")
+        "timm-native copy can be published as attnzoo/nat_mini.in1k, and the tag then pointed "
+        "at it")
+    assert hub.weights_source("san10_pairwise.in1k") == (
+        "not on the Hub yet (to be published as attnzoo/san10_pairwise.in1k); the official "
+        "checkpoint is at https://github.com/hszhao/SAN: `attnzoo convert` it and load the file "
+        "(pretrained=True says how)")
     readme = (ROOT / "README.md").read_text()
     assert table in readme, "README's publishing table is stale: python scripts/make_model_cards.py"
     for tag in tags:
         assert f"`attnzoo publish {tag} CHECKPOINT --repo-id {hub.hub_repo(tag)} " in table
+    # the cards of unpublished tags do not promise pretrained=True
+    cards = (ROOT / "MODEL_CARDS.md").read_text()
+    assert "timm.create_model('san10_pairwise.in1k', pretrained=False)" in cards
+    assert "timm.create_model('nat_mini.in1k', pretrained=True)" in cards
 
 
 def test_cards_say_which_backends_run_each_op_from_the_registry():
@@ -571,7 +665,8 @@ def test_cli_info_names_sources_and_backends_here(capsys):
     assert out.startswith("san10_pairwise: family san; paper: Exploring Self-attention")
     assert "parameters: 10.53 M; GMACs at 224x224: 2.05" in out
     assert "input sizes: any from 128x128 (default 224x224)" in out
-    assert f"san10_pairwise.in1k: Hub repo {hub.hub_repo('san10_pairwise.in1k')}" in out
+    assert "san10_pairwise.in1k: not on the Hub yet (to be published as " \
+        f"{hub.hub_repo('san10_pairwise.in1k')})" in out
     assert "license mit" in out and "paper ImageNet-1k top-1: 74.9" in out
     assert "  torch: runs it" in out and "  cuda: no: " in out
     assert cli.main(["info", "quest_vit_tiny_patch16_224"]) == 0
@@ -579,8 +674,13 @@ def test_cli_info_names_sources_and_backends_here(capsys):
     assert "pretrained tags: none" in out and "backends: none needed" in out
 
 
-def test_list_pretrained_names_every_family_with_weights(capsys):
+def test_list_pretrained_names_the_downloadable_tags_and_the_rest_apart(capsys):
+    """stdout: the tags pretrained=True loads; stderr, one line: those not on the Hub yet."""
     assert cli.main(["list", "--pretrained"]) == 0
-    out = capsys.readouterr().out.split()
-    assert {"nat_mini.in1k", "dinat_large_384.in22k_ft_in1k", "qna_vit_base.in1k",
-            "san10_patchwise.in1k"} <= set(out)
+    captured = capsys.readouterr()
+    assert set(captured.out.split()) == {t for t, w in WEIGHTS.items() if w.published}
+    assert captured.err.startswith("not on the Hub yet, so not pretrained")
+    assert captured.err.count("\n") == 1 and "qna_vit_base.in1k" in captured.err
+    assert "san10_patchwise.in1k" in captured.err
+    assert cli.main(["list", "--pretrained", "*mini*"]) == 0
+    assert capsys.readouterr() == ("dinat_mini.in1k\nnat_mini.in1k\n", "")

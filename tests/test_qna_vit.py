@@ -19,7 +19,6 @@ from attnzoo.layers import qna as qna_layers
 from attnzoo.models.qna_vit import QnAViT, checkpoint_filter_fn, read_checkpoint
 from attnzoo.profiling import count_macs, count_params
 from checkpoint_layouts import nest, qna_official_manifest, write_flax_checkpoint
-from hub_cache import offline_hf_cache
 from model_checks import (check_autocast, check_bad_input_and_arguments,
                           check_compile_fullgraph, check_forward_intermediates_and_prune,
                           check_grad_checkpointing, check_head_contract,
@@ -500,19 +499,21 @@ def test_convert_cli_and_load_through_timm(tmp_path, capsys):
     assert all(torch.equal(again[k], v) for k, v in direct.state_dict().items())
 
 
-def test_pretrained_policy(tmp_path):
-    """The tags load from the project's Hub repos (filled by `attnzoo publish`); without them
-    (here: offline, empty cache) pretrained=True names the repo and the convert path."""
+def test_pretrained_policy():
+    """The official weights are not on the Hub yet: the tags are not pretrained to timm, and
+    pretrained=True says so in one line, with the authors' link and the convert path."""
     cfg = timm.get_pretrained_cfg('qna_vit_tiny.in1k').to_dict()
-    assert cfg['hf_hub_id'] == 'attnzoo/qna_vit_tiny.in1k' and not cfg.get('url')
+    assert not (cfg.get('hf_hub_id') or cfg.get('url') or cfg.get('file'))
     assert cfg['origin_url'] == 'https://github.com/moabarar/qna'
     assert cfg['paper_ids'] == 'arXiv:2112.11435'
     assert cfg['crop_pct'] == 0.875 and cfg['interpolation'] == 'bicubic'
-    assert attnzoo.list_models('qna_vit*', pretrained=True) == [
-        f'{n}.in1k' for n in attnzoo.list_models('qna_vit*')]
-    with offline_hf_cache(tmp_path), pytest.raises(
-            OSError, match=r'attnzoo/qna_vit_tiny.in1k: offline.*github.com/moabarar/qna.*'
-                           r'attnzoo convert qna_vit_tiny.*pretrained_cfg_overlay'):
+    assert timm.list_models('qna_vit_tiny', include_tags=True) == ['qna_vit_tiny.in1k']
+    assert attnzoo.list_models('qna_vit*', pretrained=True) == []
+    assert not timm.is_model_pretrained('qna_vit_tiny')
+    with pytest.raises(ValueError, match=r'^qna_vit_tiny.in1k: its weights are not on the Hugging '
+                                         r'Face Hub yet \(they are to be published as attnzoo/'
+                                         r'qna_vit_tiny.in1k\).*github.com/moabarar/qna.*'
+                                         r'attnzoo convert qna_vit_tiny.*pretrained_cfg_overlay'):
         timm.create_model('qna_vit_tiny', pretrained=True)
 
 

@@ -15,7 +15,6 @@ from attnzoo.layers import SAM
 from attnzoo.models.san import SAN, checkpoint_filter_fn
 from attnzoo.profiling import count_macs, count_params
 from checkpoint_layouts import san_official_manifest, san_to_official, san_training_checkpoint
-from hub_cache import offline_hf_cache
 from model_checks import (check_autocast, check_bad_input_and_arguments,
                           check_compile_fullgraph, check_forward_intermediates_and_prune,
                           check_grad_checkpointing, check_head_contract, check_torchscript_and_fx)
@@ -344,17 +343,18 @@ def test_filter_reports_mismatches(tmp_path):
         load_official('san10_patchwise', tmp_path / 'bad.pth')
 
 
-def test_pretrained_cfgs_are_honest(tmp_path):
-    """The tags load from the project's Hub repos (filled by `attnzoo publish`); without them
-    (here: offline, empty cache) pretrained=True names the repo and the convert path."""
+def test_pretrained_cfgs_are_honest():
+    """The official weights are not on the Hub yet: the tags are not pretrained to timm, and
+    pretrained=True says so in one line, with the authors' link and the convert path."""
     for name in VARIANTS:
         cfg = timm.get_pretrained_cfg(f'{name}.in1k')
-        assert cfg.hf_hub_id == f'attnzoo/{name}.in1k' and not (cfg.url or cfg.file)
+        assert not (cfg.hf_hub_id or cfg.url or cfg.file)
         assert cfg.origin_url == 'https://github.com/hszhao/SAN'
         assert cfg.paper_ids == 'arXiv:2004.13621'
         assert cfg.interpolation == 'bilinear' and cfg.crop_pct == 0.875
-    assert attnzoo.list_models('san*', pretrained=True) == [f'{n}.in1k' for n in sorted(VARIANTS)]
-    with offline_hf_cache(tmp_path), pytest.raises(
-            OSError, match=r'(?s)attnzoo/san10_pairwise.in1k: offline.*github.com/hszhao/SAN.*'
-                           r'attnzoo convert san10_pairwise.*pretrained_cfg_overlay'):
+    assert attnzoo.list_models('san*', pretrained=True) == []
+    assert not any(timm.is_model_pretrained(name) for name in VARIANTS)
+    with pytest.raises(ValueError, match=r'(?s)^san10_pairwise.in1k: its weights are not on the '
+                                         r'Hugging Face Hub yet.*github.com/hszhao/SAN.*'
+                                         r'attnzoo convert san10_pairwise.*pretrained_cfg_overlay'):
         timm.create_model('san10_pairwise', pretrained=True)

@@ -15,17 +15,10 @@ from timm.models._hub import HF_WEIGHTS_NAME, _get_safe_alternatives, hf_split
 from timm.models._pretrained import PretrainedCfg
 from timm.models._registry import get_pretrained_cfg
 
+from ._weights import HUB_ORG, hub_repo, pending_repo
+
 __all__ = ["HUB_ORG", "hub_repo", "checkpoint_kind", "build_model", "unwrap_checkpoint",
            "rename_key", "replace_prefix", "check_state_dict", "check_image_input", "per_stage"]
-
-# The project's namespace on the Hugging Face Hub, defined once: `attnzoo publish` puts tag
-# ``<model>.<tag>`` in ``HUB_ORG/<model>.<tag>``, the naming of timm's own ``timm/<model>.<tag>``.
-HUB_ORG = 'attnzoo'
-
-
-def hub_repo(tag: str) -> str:
-    """The project's Hub repo of a pretrained tag: ``attnzoo/qna_vit_tiny.in1k``."""
-    return f'{HUB_ORG}/{tag}'
 
 
 def checkpoint_kind(path) -> Optional[str]:
@@ -147,10 +140,12 @@ def build_model(model_cls: type, variant: str, pretrained: bool, *,
             if no_weights_hint:
                 raise ValueError(no_weights_hint)
             origin = f" from {cfg.origin_url}" if cfg.origin_url else ""
+            pending = pending_repo(tag)
+            why = (f"its weights are not on the Hugging Face Hub yet (they are to be published "
+                   f"as {pending})" if pending else "no downloadable weights")
             raise ValueError(
-                f"{tag}: no downloadable weights; pretrained=True would give a randomly "
-                f"initialised model. " + _local_copy_advice(tag, variant,
-                                                            f"the official checkpoint{origin}"))
+                f"{tag}: {why}; pretrained=True would give a randomly initialised model. "
+                + _local_copy_advice(tag, variant, f"the official checkpoint{origin}"))
         if cfg.file:
             _check_local_file(tag, variant, cfg.file)
         _check_hub_weights(tag, variant, cfg)

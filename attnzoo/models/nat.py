@@ -51,6 +51,7 @@ from ._helpers import (check_state_dict, per_stage, rename_key, replace_prefix,
                        unwrap_checkpoint)
 from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
+from ._weights import hub_weights
 
 __all__ = ["NAT", "checkpoint_filter_fn"]
 
@@ -351,10 +352,10 @@ def _create_nat(variant: str, pretrained: bool = False, **kwargs) -> NAT:
                         checkpoint_filter_fn, **kwargs)
 
 
-def _cfg(hf_hub_id: str, **kwargs) -> Dict[str, Any]:
-    # transformers-layout weights; timm tries model.safetensors first, then hf_hub_filename
-    return staged_cfg(hf_hub_id=hf_hub_id, hf_hub_filename='pytorch_model.bin',
-                      first_conv='stem.conv1', license='mit', **kwargs)
+def _cfg(tag: str, paper: Dict[str, str], **kwargs) -> Dict[str, Any]:
+    # the authors' transformers-layout uploads (_weights); timm tries model.safetensors first
+    return staged_cfg(**hub_weights(tag), first_conv='stem.conv1', license='mit', **paper,
+                      **kwargs)
 
 
 _NAT_PAPER = dict(paper_ids='arXiv:2204.07143', paper_name='Neighborhood Attention Transformer',
@@ -362,26 +363,18 @@ _NAT_PAPER = dict(paper_ids='arXiv:2204.07143', paper_name='Neighborhood Attenti
 _DINAT_PAPER = dict(paper_ids='arXiv:2209.15001',
                     paper_name='Dilated Neighborhood Attention Transformer',
                     origin_url='https://github.com/SHI-Labs/Neighborhood-Attention-Transformer')
+# 384 fine-tunes: their own dilation schedule / kernel, so their own model names; evaluated on
+# the full 384 image (timm's convention for fine-tuned 384 weights).
+_AT_384 = dict(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0)
 
 default_cfgs = generate_default_cfgs({
-    'nat_mini.in1k': _cfg(hf_hub_id='shi-labs/nat-mini-in1k-224', **_NAT_PAPER),
-    'nat_tiny.in1k': _cfg(hf_hub_id='shi-labs/nat-tiny-in1k-224', **_NAT_PAPER),
-    'nat_small.in1k': _cfg(hf_hub_id='shi-labs/nat-small-in1k-224', **_NAT_PAPER),
-    'nat_base.in1k': _cfg(hf_hub_id='shi-labs/nat-base-in1k-224', **_NAT_PAPER),
-    'dinat_mini.in1k': _cfg(hf_hub_id='shi-labs/dinat-mini-in1k-224', **_DINAT_PAPER),
-    'dinat_tiny.in1k': _cfg(hf_hub_id='shi-labs/dinat-tiny-in1k-224', **_DINAT_PAPER),
-    'dinat_small.in1k': _cfg(hf_hub_id='shi-labs/dinat-small-in1k-224', **_DINAT_PAPER),
-    'dinat_base.in1k': _cfg(hf_hub_id='shi-labs/dinat-base-in1k-224', **_DINAT_PAPER),
-    'dinat_large.in22k_ft_in1k': _cfg(
-        hf_hub_id='shi-labs/dinat-large-in22k-in1k-224', **_DINAT_PAPER),
-    # 384 fine-tunes: their own dilation schedule / kernel, so their own model names; evaluated
-    # on the full 384 image (timm's convention for fine-tuned 384 weights).
-    'dinat_large_384.in22k_ft_in1k': _cfg(
-        hf_hub_id='shi-labs/dinat-large-in22k-in1k-384',
-        input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0, **_DINAT_PAPER),
-    'dinat_large_11x11_384.in22k_ft_in1k': _cfg(
-        hf_hub_id='shi-labs/dinat-large-11x11-in22k-in1k-384',
-        input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0, **_DINAT_PAPER),
+    **{tag: _cfg(tag, _NAT_PAPER) for tag in (
+        'nat_mini.in1k', 'nat_tiny.in1k', 'nat_small.in1k', 'nat_base.in1k')},
+    **{tag: _cfg(tag, _DINAT_PAPER) for tag in (
+        'dinat_mini.in1k', 'dinat_tiny.in1k', 'dinat_small.in1k', 'dinat_base.in1k',
+        'dinat_large.in22k_ft_in1k')},
+    **{tag: _cfg(tag, _DINAT_PAPER, **_AT_384) for tag in (
+        'dinat_large_384.in22k_ft_in1k', 'dinat_large_11x11_384.in22k_ft_in1k')},
 })
 
 # DiNAT dilation schedules (per level, per block): dilated blocks alternate with d=1 blocks;

@@ -58,9 +58,10 @@ from timm.models import generate_default_cfgs, register_notrace_function
 from .. import backends
 from ..layers import LocalSelfAttention, QnA
 from ..layers.quest import check_attn_norm
-from ._helpers import check_state_dict, hub_repo, per_stage, unwrap_checkpoint
+from ._helpers import check_state_dict, per_stage, unwrap_checkpoint
 from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
+from ._weights import hub_weights
 
 __all__ = ["QnAViT", "checkpoint_filter_fn", "read_checkpoint"]
 
@@ -527,14 +528,15 @@ def _create_qna_vit(variant: str, pretrained: bool = False, **kwargs) -> QnAViT:
 
 
 # The official weights are Flax checkpoints behind the authors' download link; `attnzoo publish`
-# converts them into the project's Hub repos (hub_repo), which pretrained=True loads.
+# converts them into the project's Hub repos (_weights), which pretrained=True loads
+# once published.
 _CFG = staged_cfg(
     license='mit', origin_url='https://github.com/moabarar/qna', paper_ids='arXiv:2112.11435',
     paper_name='Learned Queries for Efficient Local Attention')
 
 
 default_cfgs = generate_default_cfgs({
-    tag: dict(_CFG, hf_hub_id=hub_repo(tag)) for tag in (
+    tag: dict(_CFG, **hub_weights(tag)) for tag in (
         'qna_vit_tiny.in1k', 'qna_vit_tiny_7x7.in1k', 'qna_vit_small.in1k', 'qna_vit_base.in1k')
 })
 

@@ -41,9 +41,10 @@ from timm.layers import BatchNormAct2d, DropPath, calculate_drop_path_rates
 from timm.models import generate_default_cfgs
 
 from ..layers import SAM
-from ._helpers import check_state_dict, hub_repo, per_stage, rename_key, unwrap_checkpoint
+from ._helpers import check_state_dict, per_stage, rename_key, unwrap_checkpoint
 from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
+from ._weights import hub_weights
 
 __all__ = ["SAN", "checkpoint_filter_fn"]
 
@@ -276,7 +277,8 @@ def _create_san(variant: str, pretrained: bool = False, **kwargs) -> SAN:
 
 
 # The official checkpoints are on the Google Drive folder origin_url's README links; `attnzoo
-# publish` converts them into the project's Hub repos (hub_repo), which pretrained=True loads.
+# publish` converts them into the project's Hub repos (_weights), which pretrained=True loads
+# once published.
 _CFG = staged_cfg(
     # reflection padding in the last stage (7x7, pad 3) needs a 4x4 map
     min_input_size=(3, 128, 128), interpolation='bilinear', license='mit',
@@ -285,7 +287,7 @@ _CFG = staged_cfg(
 
 
 default_cfgs = generate_default_cfgs({
-    tag: dict(_CFG, hf_hub_id=hub_repo(tag))
+    tag: dict(_CFG, **hub_weights(tag))
     for tag in (f'san{n}_{t}.in1k' for n in (10, 15, 19) for t in ('pairwise', 'patchwise'))
 })
 
