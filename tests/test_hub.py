@@ -504,8 +504,9 @@ def test_every_pretrained_tag_has_a_hub_home_in_the_project_namespace():
         "shi-labs/nat-mini-in1k-224 until it is pointed at the copy")
     assert hub.weights_source("san10_pairwise.in1k").startswith(
         "Hub repo attnzoo/san10_pairwise.in1k, to be published with the official checkpoint")
-    readme = (ROOT / "README.md").read_text()
-    assert table in readme, "README's publishing table is stale: python scripts/make_model_cards.py"
+    doc = (ROOT / "docs" / "publishing.md").read_text()
+    assert table in doc, ("docs/publishing.md's publishing table is stale: "
+                          "python scripts/make_model_cards.py")
     for tag in tags:
         assert f"`attnzoo publish {tag} CHECKPOINT --repo-id {hub.hub_repo(tag)} " in table
 
