@@ -525,7 +525,7 @@ def export_line(cfg: Mapping[str, Any]) -> str:
             "--dynamic-size`)")
 
 
-# The project's Hub repos that a maintainer has published (README: "publish table"): none yet,
+# The project's Hub repos that a maintainer has published (docs/publishing.md): none yet,
 # as the machines that build attnzoo cannot reach the Hub. Add a repo once its upload is done,
 # then regenerate MODEL_CARDS.md and the table (python scripts/make_model_cards.py).
 PUBLISHED_REPOS: frozenset = frozenset()
@@ -570,7 +570,7 @@ def backends_lines(arch: str, facts: Mapping[str, Any]) -> Union[str, list]:
     where = "; ".join(f"{name}: {text}" for name, text in backends.RUNS_ON.items())
     return lines + [f"{where}. `auto` picks, per call, the first of them in a fixed order that "
                     "runs it: on CUDA cuda (only where a verification record covers the GPU, "
-                    "dtype and Triton: README, \"Attention backends\"), natten, torch; on CPU "
+                    "dtype and Triton: docs/backends.md), natten, torch; on CPU "
                     f"torch. `attnzoo info {arch}` tries each on your machine"]
 
 
@@ -860,7 +860,7 @@ def upload(folder: PathLike, repo_id: str, *, private: bool = False,
 
 
 def publish_table() -> str:
-    """The README's table: every pretrained tag, its Hub repo in the project namespace, the
+    """docs/publishing.md's table: every pretrained tag, its Hub repo in the project namespace, the
     source checkpoint and the command a maintainer runs to publish it."""
     import timm
     rows = ["| tag | Hub repo | source checkpoint | command |", "|---|---|---|---|"]
