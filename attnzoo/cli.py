@@ -11,7 +11,7 @@
 ``attnzoo attention MODEL IMAGE``       one query's attention in one layer, drawn over the image
 
 Also ``python -m attnzoo ...``, which works as one process of a torchrun launch, from a timm clone
-too: ``torchrun --nproc_per_node=N -m attnzoo timm train.py --config ...`` (README "Train").
+too: ``torchrun --nproc_per_node=N -m attnzoo timm train.py --config ...`` (docs/training.md).
 
 A user's mistake (unknown model or backend, a size <= 0, a checkpoint that does not match, a
 file that cannot be read or written, a package a timm script needs) is reported in one line,

@@ -572,7 +572,7 @@ def backends_lines(arch: str, facts: Mapping[str, Any]) -> Union[str, list]:
     where = "; ".join(f"{name}: {text}" for name, text in backends.RUNS_ON.items())
     return lines + [f"{where}. `auto` picks, per call, the first of them in a fixed order that "
                     "runs it: on CUDA cuda (only where a verification record covers the GPU, "
-                    "dtype and Triton: README, \"Attention backends\"), natten, torch; on CPU "
+                    "dtype and Triton: docs/backends.md), natten, torch; on CPU "
                     f"torch. `attnzoo info {arch}` tries each on your machine"]
 
 
@@ -866,7 +866,7 @@ def upload(folder: PathLike, repo_id: str, *, private: bool = False,
 
 
 def publish_table() -> str:
-    """docs' table: every tag with weights, where its weights are now, its home in the project
+    """docs/publishing.md's table: every tag with weights, where its weights are now, its home in the project
     namespace, the source checkpoint and the command a maintainer runs to publish it there."""
     import timm
     rows = ["| tag | pretrained=True loads | project repo | source checkpoint | command |",

@@ -1,7 +1,8 @@
-"""Regenerate MODEL_CARDS.md and README.md's publishing table from scripts/model_card_facts.json,
-with attnzoo.hub's generator (the one that writes the Hub cards); with --measure, first measure
-the facts again: each model's GMACs and attnzoo ops (on the meta device), and with --throughput
-its CPU inference img/s (torch backend, fp32).
+"""Regenerate MODEL_CARDS.md and the publishing table of docs/publishing.md.
+
+They come from scripts/model_card_facts.json, with attnzoo.hub's generator (the one that writes
+the Hub cards); with --measure, first measure the facts again: each model's GMACs and attnzoo
+ops (on the meta device), and with --throughput its CPU inference img/s (torch backend, fp32).
 
     python scripts/make_model_cards.py
     python scripts/make_model_cards.py --measure [--models nat_mini ...] [--throughput]
@@ -27,6 +28,7 @@ from attnzoo.profiling import model_step, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = ROOT / "scripts" / "model_card_facts.json"
+PUBLISHING = ROOT / "docs" / "publishing.md"
 TABLE = re.compile(r"(<!-- publish table -->\n).*?(<!-- end publish table -->)", re.S)
 
 
@@ -75,12 +77,12 @@ def main() -> int:
     if args.measure:
         measure(facts, args)
     (ROOT / "MODEL_CARDS.md").write_text(hub.model_cards_markdown(facts))
-    readme = (ROOT / "README.md").read_text()
-    if not TABLE.search(readme):
-        sys.exit("README.md has no <!-- publish table --> ... <!-- end publish table --> block")
-    (ROOT / "README.md").write_text(
-        TABLE.sub(lambda m: m.group(1) + hub.publish_table() + m.group(2), readme))
-    print("wrote MODEL_CARDS.md and README.md's publishing table", file=sys.stderr)
+    doc = PUBLISHING.read_text()
+    if not TABLE.search(doc):
+        sys.exit("docs/publishing.md has no <!-- publish table --> ... <!-- end publish table --> "
+                 "block")
+    PUBLISHING.write_text(TABLE.sub(lambda m: m.group(1) + hub.publish_table() + m.group(2), doc))
+    print("wrote MODEL_CARDS.md and docs/publishing.md's publishing table", file=sys.stderr)
     return 0
 
 

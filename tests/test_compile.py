@@ -3,7 +3,7 @@
 The checks use the ``aot_eager`` backend: Dynamo's graph capture and AOT autograd, which is where
 NAT used to break (the backend switch, the NA index plans, recompiles per block), without
 inductor's C++ code generation, which takes minutes per model on a 2-core CPU. Inductor itself was
-run by hand on each torch version (see the README)."""
+run by hand on each torch version (docs/maintaining.md)."""
 import pytest
 import torch
 import torch._dynamo

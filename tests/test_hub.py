@@ -594,8 +594,9 @@ def test_where_each_tags_weights_are_is_one_record():
         "not on the Hub yet (to be published as attnzoo/san10_pairwise.in1k); the official "
         "checkpoint is at https://github.com/hszhao/SAN: `attnzoo convert` it and load the file "
         "(pretrained=True says how)")
-    readme = (ROOT / "README.md").read_text()
-    assert table in readme, "README's publishing table is stale: python scripts/make_model_cards.py"
+    doc = (ROOT / "docs" / "publishing.md").read_text()
+    assert table in doc, ("docs/publishing.md's publishing table is stale: "
+                          "python scripts/make_model_cards.py")
     for tag in tags:
         assert f"`attnzoo publish {tag} CHECKPOINT --repo-id {hub.hub_repo(tag)} " in table
     # the cards of unpublished tags do not promise pretrained=True

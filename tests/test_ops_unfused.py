@@ -24,7 +24,7 @@ from test_ops_neighborhood import grads_of, legacy_natten, make_inputs  # noqa: 
 
 pytestmark = pytest.mark.floor
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+BACKENDS_DOC = Path(__file__).resolve().parents[1] / "docs" / "backends.md"
 
 # (B, H, W, heads, D), kernel, dilation, rpb, v_dim: borders everywhere (small maps), odd sizes,
 # dilation groups of unequal length, kernel sizes 3..13, non-square kernels and dilations.
@@ -169,20 +169,21 @@ def test_natten_017_runs_the_unfused_ops_in_its_layout(legacy_natten):
     assert legacy_natten == ["na2d_qk", "na2d_av", "na1d_qk", "na1d_av"]
 
 
-def _readme_shim() -> str:
-    """The README's drop-in definitions for NATTEN 0.17 code (between its markers)."""
-    text = README.read_text()
+def _docs_shim() -> str:
+    """docs/backends.md's drop-in definitions for NATTEN 0.17 code (after its marker)."""
+    text = BACKENDS_DOC.read_text()
     block = re.search(r"<!-- natten-0.17 shim -->\s*```python\n(.*?)```", text, re.S)
-    assert block, "README lost its NATTEN 0.17 shim"
+    assert block, "docs/backends.md lost its NATTEN 0.17 shim"
     return block.group(1)
 
 
-def test_the_readme_shim_runs_dinat_layer_arithmetic_as_na2d():
+def test_the_docs_shim_runs_dinat_layer_arithmetic_as_na2d():
     """Code written for NATTEN <= 0.17.4 (transformers' DiNAT: heads-first tensors, q scaled
     before ``natten2dqkrpb(q, k, rpb, kernel_size, dilation)``, softmax, ``natten2dav``) and for
-    0.17.5's ``na2d_qk``/``na2d_av``, run through the README's mapping, equals :func:`na2d`."""
+    0.17.5's ``na2d_qk``/``na2d_av``, run through the mapping in docs/backends.md, equals
+    :func:`na2d`."""
     shim: dict = {}
-    exec(compile(_readme_shim(), "README shim", "exec"), shim)
+    exec(compile(_docs_shim(), "docs/backends.md shim", "exec"), shim)
     B, heads, H, W, hd, K, d = 2, 3, 11, 13, 8, 5, 2
     q, k, v, rpb = make_inputs((B, H, W, heads, hd), (K, K), requires_grad=True)
     first = lambda t: t.movedim(-2, 1)  # noqa: E731  (DiNAT's heads-first layout)

@@ -1,5 +1,5 @@
-"""Launching training: DDP over two CPU processes, the launches the README documents from inside a
-timm clone (one machine, and two nodes started on this one), and the timm floor checked at
+"""Launching training: DDP over two CPU processes, the launches docs/training.md documents from
+inside a timm clone (one machine, and two nodes started on this one), and the timm floor checked at
 ``import attnzoo``.
 
 The clone is faked: a folder whose ``timm/`` is not the installed timm (one that raises when
@@ -39,7 +39,7 @@ def test_ddp_on_two_cpu_processes_averages_gradients_like_one_process_on_the_com
         tmp_path):
     clone = _clone(tmp_path, "raise ImportError('the clone was imported')\n")
     out = tmp_path / "ddp"
-    # the README's launch from a clone: torchrun --nproc_per_node=N -m attnzoo timm SCRIPT ...
+    # docs/training.md's launch from a clone: torchrun --nproc_per_node=N -m attnzoo timm SCRIPT ...
     proc = _run([*TORCHRUN, "-m", "attnzoo", "timm", str(TESTS / "ddp_worker.py"), str(out)],
                 cwd=clone)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -94,9 +94,9 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("rendezvous", ["node-rank", "c10d"])
 def test_two_nodes_launched_as_the_readme_does_form_one_job(tmp_path, rendezvous):
-    """The README's multi-node lines (``torchrun --nnodes=2 ... -m attnzoo timm train.py``, with
-    ``--node_rank`` and a master address, or with a c10d rendezvous), two nodes of one process
-    each started on this machine: one job of world size 2, a rank per node."""
+    """docs/training.md's multi-node lines (``torchrun --nnodes=2 ... -m attnzoo timm train.py``,
+    with ``--node_rank`` and a master address, or with a c10d rendezvous), two nodes of one
+    process each started on this machine: one job of world size 2, a rank per node."""
     clone = _clone(tmp_path, "raise ImportError('the clone was imported')\n")
     (clone / "train.py").write_text(
         "import os, torch, timm\n"

@@ -58,7 +58,8 @@ def posterize_as_pillow_12(monkeypatch):
     """timm <= 1.0.31's RandAugment with `inc1` (NAT, DiNAT, DeiT recipes) asks for 0-bit
     posterize when the sampled magnitude reaches 10 (2.3% of its draws at m9, mstd 0.5: about
     one image in 660); Pillow >= 13 rejects that with a ValueError, which ends a training run
-    (README "Train": pip install "pillow<13"). The training here gets Pillow 12's result."""
+    (docs/training.md, "Pillow 13": pip install "pillow<13"). The training here gets Pillow 12's
+    result."""
     monkeypatch.setattr(PIL.ImageOps, "posterize", _pillow12_posterize)
 
 

@@ -440,5 +440,5 @@ def unverified(family: str, device: str, dtype: torch.dtype, kernels: str) -> Op
 @functools.lru_cache(maxsize=None)
 def _note_unverified(reason: str) -> None:  # once per reason and process
     _logger.info("attnzoo: %s: auto leaves them out; backend='cuda' runs them, and "
-                 "scripts/gpu_verify.py verifies them on this GPU (README, 'Attention backends')",
+                 "scripts/gpu_verify.py verifies them on this GPU (docs/backends.md)",
                  reason)
