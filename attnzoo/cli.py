@@ -6,6 +6,7 @@
 ``attnzoo convert MODEL CKPT OUT``      an official checkpoint -> safetensors timm loads
 ``attnzoo publish MODEL[.TAG] CKPT --repo-id ORG/NAME``  a checkpoint -> a checked Hub repo
 ``attnzoo export MODEL[.TAG] OUT.onnx``  an ONNX graph onnxruntime runs (timm's onnx_export)
+``attnzoo configs [NAME] [-o FILE]``    the training recipes shipped in the package, their paths
 ``attnzoo timm SCRIPT.py [ARGS...]``    run one of timm's scripts with attnzoo's models registered
 ``attnzoo check``                       every op on every backend here against the float64 reference
 ``attnzoo attention MODEL IMAGE``       one query's attention in one layer, drawn over the image
@@ -642,6 +643,30 @@ def _worst_text(row, kind: str) -> str:
 _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 
 
+def _cmd_configs(args, parser) -> int:
+    from .configs import recipe_names, recipe_path
+    if args.name is None:
+        if args.out:
+            parser.error("-o/--out needs a recipe NAME: `attnzoo configs NAME -o FILE`")
+        width = max(map(len, recipe_names()))
+        for name in recipe_names():
+            print(f"{name:<{width}}  {recipe_path(name)}")
+        return 0
+    path = recipe_path(args.name)
+    if not args.out:
+        print(path)
+        return 0
+    if os.path.exists(args.out):
+        parser.error(f"-o {args.out}: the file exists; give a new path")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        parser.error(f"-o {args.out}: folder {folder!r} does not exist")
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(path.read_text(encoding="utf-8"))
+    print(f"wrote {args.out}, a copy of {path}: train.py --config {args.out}")
+    return 0
+
+
 def _cmd_timm(args, parser) -> int:
     """Run a timm script as ``__main__`` with attnzoo's models registered. The installed timm
     (already imported with attnzoo) serves the script even inside a timm clone, whose folder
@@ -874,6 +899,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="create_model arguments, e.g. num_classes=10 (default: none)")
     p.add_argument("-o", "--out", default="attention.png", help="the picture to write")
     p.set_defaults(func=_cmd_attention, parser=p)
+
+    p = command("configs", "the training recipes shipped with attnzoo (timm train.py "
+                           "--config files)")
+    p.add_argument("name", nargs="?", default=None,
+                   help="a recipe: print its path, for train.py --config (default: list all)")
+    p.add_argument("-o", "--out", default=None,
+                   help="write a copy of the recipe to this new file (default: print its path)")
+    p.set_defaults(func=_cmd_configs, parser=p)
 
     p = command("timm", "run a timm script (train.py, validate.py, benchmark.py, inference.py) "
                         "with attnzoo's models registered")

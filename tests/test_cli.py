@@ -3,6 +3,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -49,6 +50,29 @@ def test_list_models_and_tags():
     assert "resnet50" not in names
     assert list_attnzoo_models("dinat_*") == [n for n in names if n.startswith("dinat_")]
     assert "nat_mini.in1k" in list_attnzoo_models(pretrained=True)
+
+
+def test_cli_configs_lists_prints_and_copies_the_packaged_recipes(tmp_path, capsys):
+    """The recipes ship inside the package: `attnzoo configs` lists every one with its path,
+    `configs NAME` prints the path train.py --config takes, `-o` writes a copy (never over a
+    file)."""
+    from attnzoo.configs import recipe_names
+    package = Path(attnzoo.__file__).parent / "configs"
+    assert cli.main(["configs"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows == [[p.stem, str(p.resolve())] for p in sorted(package.glob("*.yaml"))]
+    assert len(rows) == 28 and [r[0] for r in rows] == recipe_names()
+    assert cli.main(["configs", "quest_deit3_base_patch16_224_phase2"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path == (package / "quest_deit3_base_patch16_224_phase2.yaml").resolve()
+    copy = tmp_path / "mine.yaml"
+    assert cli.main(["configs", "nat_tiny", "-o", str(copy)]) == 0
+    assert copy.read_text() == (package / "nat_tiny.yaml").read_text()
+    assert f"wrote {copy}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["configs", "nat_mini", "-o", str(copy)])
+    assert "the file exists" in capsys.readouterr().err
+    assert copy.read_text() == (package / "nat_tiny.yaml").read_text()
 
 
 def test_cli_list(capsys):
@@ -129,6 +153,10 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
       "--checkpoint", "w.pth"], "--pretrained and --checkpoint: give one"),
     (["attention", "nat_mini", "x.png", "--query", "1,1"],
      "the following arguments are required: --layer"),
+    (["configs", "nat_tny"], "no training recipe named 'nat_tny'; did you mean nat_tiny"),
+    (["configs", "-o", "x.yaml"], "-o/--out needs a recipe NAME"),
+    (["configs", "nat_tiny", "-o", "/no/such/dir/x.yaml"],
+     "folder '/no/such/dir' does not exist"),
 ])
 def test_cli_user_errors_are_one_line_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -24,7 +24,7 @@ import torch
 
 import attnzoo
 import timm_train
-from timm_train_options import load_table, read_options, timm_version
+from timm_train_options import check_config, load_table, read_options, timm_version
 
 IMAGENET_TRAIN = 1281167  # images; train.py's training loader drops the last partial batch
 
@@ -189,32 +189,8 @@ def test_there_is_a_config_per_registered_model_with_a_published_recipe():
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_config_keys_are_train_py_options_and_values_have_their_types(name):
-    options = load_table()["options"]
     config = timm_train.read_config(timm_train.CONFIGS / f"{name}.yaml")
-    element = {"int": int, "float": (int, float), "str": str, None: str}
-    for key, value in config.items():
-        assert key in options, f"{key!r} is not an option of timm's train.py (it would be ignored)"
-        option = options[key]
-        if value is None:
-            assert option["default"] is None, f"{key}: null, but its default is not"
-            continue
-        if option["action"] in ("store_true", "store_false"):
-            assert isinstance(value, bool), f"{key}: {value!r} is not a bool"
-        elif option["action"] == "ParseKwargs":
-            assert isinstance(value, dict), f"{key}: {value!r} is not a mapping"
-        else:
-            items = value
-            if option["nargs"] in ("+", "*") or isinstance(option["nargs"], int):
-                assert isinstance(value, list), f"{key}: {value!r} is not a list"
-                if isinstance(option["nargs"], int):
-                    assert len(value) == option["nargs"], f"{key}: needs {option['nargs']} values"
-            else:
-                items = [value]
-            for item in items:  # a YAML float needs a dot: 1e-3 is read as the string '1e-3'
-                assert isinstance(item, element[option["type"]]) and not isinstance(item, bool), \
-                    f"{key}: {item!r} is not of type {option['type'] or 'str'}"
-                assert option["choices"] is None or item in option["choices"], \
-                    f"{key}: {item!r} is not one of {option['choices']}"
+    check_config(config)
     assert config["device_modules"] == ["attnzoo"]
     assert config["model"] == _model_of(name)
 

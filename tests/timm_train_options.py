@@ -84,6 +84,36 @@ def load_table() -> Dict[str, Any]:
     return json.loads(TABLE.read_text())
 
 
+def check_config(config: Dict[str, Any]) -> None:
+    """``AssertionError`` unless every key of a ``train.py --config`` YAML is an option's dest
+    and every value the type argparse would have produced (set_defaults converts nothing)."""
+    options = load_table()["options"]
+    element = {"int": int, "float": (int, float), "str": str, None: str}
+    for key, value in config.items():
+        assert key in options, f"{key!r} is not an option of timm's train.py (it would be ignored)"
+        option = options[key]
+        if value is None:
+            assert option["default"] is None, f"{key}: null, but its default is not"
+            continue
+        if option["action"] in ("store_true", "store_false"):
+            assert isinstance(value, bool), f"{key}: {value!r} is not a bool"
+        elif option["action"] == "ParseKwargs":
+            assert isinstance(value, dict), f"{key}: {value!r} is not a mapping"
+        else:
+            items = value
+            if option["nargs"] in ("+", "*") or isinstance(option["nargs"], int):
+                assert isinstance(value, list), f"{key}: {value!r} is not a list"
+                if isinstance(option["nargs"], int):
+                    assert len(value) == option["nargs"], f"{key}: needs {option['nargs']} values"
+            else:
+                items = [value]
+            for item in items:  # a YAML float needs a dot: 1e-3 is read as the string '1e-3'
+                assert isinstance(item, element[option["type"]]) and not isinstance(item, bool), \
+                    f"{key}: {item!r} is not of type {option['type'] or 'str'}"
+                assert option["choices"] is None or item in option["choices"], \
+                    f"{key}: {item!r} is not one of {option['choices']}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("train_py", type=Path, help="train.py of a timm clone")
