@@ -128,3 +128,29 @@ def test_the_cuda_backend_compiles_into_one_graph_equal_to_eager(family):
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_san_inference_compiles_its_aggregation_as_one_product_equal_to_eager():
+    """Without autograd, the torch reference's SAN aggregation compiles as the unfolded product
+    (one reduction whatever the footprint), not the tap-by-tap loop that made SAN's first
+    compiled call 3x swin_tiny's; its logits are eager's. With autograd it keeps the loop."""
+    import tiny_models
+    model = tiny_models.san(**tiny_models.SAN_TWO_STAGES).eval()
+    x = torch.randn(2, 3, 32, 32)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    with torch.no_grad():
+        want = model(x)
+        got = torch.compile(model, backend=recording, fullgraph=True)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 1 and not any("addcmul" in op for op in graphs[0]), graphs[0]
+    assert any("unfold" in op for op in graphs[0])
+    assert "autograd_function_apply" not in graphs[0]
+    torch._dynamo.reset()
+    graphs.clear()
+    torch.compile(model.train(), backend=recording, fullgraph=True)(x).sum().backward()
+    assert "autograd_function_apply" in graphs[0]  # the reference's own forward and backward
