@@ -231,8 +231,8 @@ class _Aggregation(torch.autograd.Function):
 def aggregation_reference(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
     # Under torch.compile without autograd, the unfolded product: one reduction Inductor fuses,
     # where the tap-by-tap loop traces kh*kw ops per call (san10's first compiled call took
-    # 3x swin_tiny's, BENCHMARKS.md "Compile time"). Training keeps the loop: Inductor fails
-    # on the unfold's backward once a second input size makes the shapes dynamic (torch 2.14).
+    # 3x swin_tiny's, BENCHMARKS.md "Compile time"). Training keeps the loop, whose backward
+    # holds no kh*kw-times larger copy of x.
     if torch.compiler.is_compiling() and not (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return aggregation_export(x, weight, fp)
