@@ -627,6 +627,7 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
     details["Labels"] = labels
     load = f"hf-hub:{repo_id}" if repo_id else name
     hf_ready = bool(tag and cfg.get("hf_hub_id"))  # the tag's weights are on the Hub now
+    own_repo = hf_ready and cfg["hf_hub_id"] == hub_repo(name)  # ours, in timm's layout
     usage = ("With timm:\n\n```python\nimport timm\nimport torch\n\n"
              "import attnzoo  # registers attnzoo's models with timm: before create_model\n\n"
              f"model = timm.create_model('{load}', pretrained={bool(repo_id or hf_ready)})"
@@ -635,9 +636,7 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
              "transform = timm.data.create_transform(**data_config, is_training=False)\n"
              "with torch.no_grad():\n"
              "    logits = model(transform(image).unsqueeze(0))  # image: a PIL image\n```\n\n"
-             + transformers_usage(arch, repo_id or (hub_repo(name) if hf_ready and
-                                                     cfg.get("hf_hub_id") == hub_repo(name)
-                                                     else "")))
+             + transformers_usage(arch, repo_id or (hub_repo(name) if own_repo else "")))
     rows = [f"| | {'ImageNet-1k ' if n == 1000 else ''}top-1 | top-5 | source |",
             "|---|---|---|---|"]
     if arch in PAPER_TOP1:
@@ -866,8 +865,8 @@ def upload(folder: PathLike, repo_id: str, *, private: bool = False,
 
 
 def publish_table() -> str:
-    """docs/publishing.md's table: every tag with weights, where its weights are now, its home in the project
-    namespace, the source checkpoint and the command a maintainer runs to publish it there."""
+    """docs/publishing.md's table: every tag with weights, where its weights are now, its home
+    in the project namespace, the source checkpoint and the command that publishes it there."""
     import timm
     rows = ["| tag | pretrained=True loads | project repo | source checkpoint | command |",
             "|---|---|---|---|---|"]
