@@ -61,6 +61,18 @@ def _keep_registered_builtins_alive() -> None:
     _builtins._register_builtin = register_and_keep
 
 
+def _share_the_cores_between_workers() -> None:
+    # pytest-xdist workers would each run torch's default of one thread per core: with -n 2 on
+    # 2 cores, 4 OpenMP threads whose barriers wait on descheduled peers. Each worker gets its
+    # share instead, and so do the processes tests start (OMP_NUM_THREADS, unless set).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, torch.get_num_threads() // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+_share_the_cores_between_workers()
 _keep_registered_builtins_alive()
 if not torch.cuda.is_available():
     _import_kernels_interpreted()

@@ -22,7 +22,8 @@ The torch reference (any device and float dtype, differentiable) gathers the foo
 ``F.unfold`` for the subtractions, whose outputs are ``kk``-times larger than their inputs
 anyway, and aggregates tap by tap over shifted views of the padded input, forward and (a
 hand-written autograd Function) backward, so it never builds the ``kk``-times larger unfolded
-copy of ``x``. NATTEN has no such ops. The ``cuda`` backend is attnzoo's fused Triton kernels
+copy of ``x``; under torch.compile those loops are custom ops (one opaque call each way), and
+without autograd the aggregation is the unfolded product, which Inductor fuses. NATTEN has no such ops. The ``cuda`` backend is attnzoo's fused Triton kernels
 (:mod:`attnzoo.kernels.san`): one launch per op and direction, each tap read from the input
 directly; ``auto`` takes them only on GPU architectures where they were verified.
 
@@ -174,67 +175,127 @@ def _taps(fp: Footprint, Ho: int, Wo: int):
                                       slice(kw * dw, kw * dw + (Wo - 1) * sw + 1, sw))
 
 
+def _aggregate(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
+    """The aggregation tap by tap over strided views of the padded input: no ``kk``-times
+    larger unfolded copy of ``x``. Channel ``c = g * Cw + cw`` uses weight ``cw``."""
+    N, C, H, W = x.shape
+    Cw = weight.shape[1]
+    Ho, Wo = _out_size(fp, H, W)
+    xp = _pad(x, fp)
+    xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
+    w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
+    out = torch.zeros(N, C // Cw, Cw, Ho, Wo, dtype=x.dtype, device=x.device)
+    for t, (rows, cols) in _taps(fp, Ho, Wo):
+        out.addcmul_(w[:, :, :, t], xp[..., rows, cols])
+    return out.view(N, C, Ho, Wo)
+
+
+def _aggregate_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        fp: Footprint, need_x: bool = True, need_weight: bool = True):
+    """``(grad_x, grad_weight)`` tap by tap (None where not needed), in differentiable ops
+    (double backward works): autograd through the strided views would allocate a full-size
+    gradient per tap."""
+    N, C, H, W = x.shape
+    Cw = weight.shape[1]
+    Ho, Wo = _out_size(fp, H, W)
+    ph, pw = fp.padding
+    go = grad_out.reshape(N, C // Cw, Cw, Ho, Wo)
+    grad_x = grad_w = None
+    if need_weight:
+        xp = _pad(x, fp)
+        xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
+        grad_w = weight.new_empty(N, Cw, fp.taps, Ho, Wo)
+        for t, (rows, cols) in _taps(fp, Ho, Wo):
+            grad_w[:, :, t] = (go * xp[..., rows, cols]).sum(1)
+        grad_w = grad_w.view(weight.shape)
+    if need_x:
+        w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
+        gxp = x.new_zeros(N, C // Cw, Cw, H + 2 * ph, W + 2 * pw)
+        for t, (rows, cols) in _taps(fp, Ho, Wo):
+            gxp[..., rows, cols].addcmul_(w[:, :, :, t], go)
+        gxp = gxp.view(N, C, H + 2 * ph, W + 2 * pw)
+        if fp.padding_mode == "reflect":  # fold the reflected taps back onto their sources
+            if _reflect_in_float32(x):
+                grad_x = torch.ops.aten.reflection_pad2d_backward(
+                    gxp.float(), x.float(), [pw, pw, ph, ph]).to(x.dtype)
+            else:
+                grad_x = torch.ops.aten.reflection_pad2d_backward(gxp, x, [pw, pw, ph, ph])
+        else:
+            grad_x = gxp[:, :, ph:ph + H, pw:pw + W]
+    return grad_x, grad_w
+
+
 class _Aggregation(torch.autograd.Function):
-    """Tap by tap over strided views of the padded input, forward and backward, so that neither
-    builds the ``kk``-times larger unfolded copy of ``x`` (autograd through the views would
-    allocate a full-size gradient per tap). Channel ``c = g * Cw + cw`` uses weight ``cw``."""
+    """Eager autograd: the tap loops forward and backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.fp = fp
-        N, C, H, W = x.shape
-        Cw = weight.shape[1]
-        Ho, Wo = _out_size(fp, H, W)
-        xp = _pad(x, fp)
-        xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
-        w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
-        out = torch.zeros(N, C // Cw, Cw, Ho, Wo, dtype=x.dtype, device=x.device)
-        for t, (rows, cols) in _taps(fp, Ho, Wo):
-            out.addcmul_(w[:, :, :, t], xp[..., rows, cols])
-        return out.view(N, C, Ho, Wo)
+        return _aggregate(x, weight, fp)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # differentiable ops only: double backward works
+    def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        fp = ctx.fp
-        N, C, H, W = x.shape
-        Cw = weight.shape[1]
-        Ho, Wo = _out_size(fp, H, W)
-        ph, pw = fp.padding
-        go = grad_out.reshape(N, C // Cw, Cw, Ho, Wo)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[1]:
-            xp = _pad(x, fp)
-            xp = xp.reshape(N, C // Cw, Cw, *xp.shape[-2:])
-            grad_w = weight.new_empty(N, Cw, fp.taps, Ho, Wo)
-            for t, (rows, cols) in _taps(fp, Ho, Wo):
-                grad_w[:, :, t] = (go * xp[..., rows, cols]).sum(1)
-            grad_w = grad_w.view(weight.shape)
-        if ctx.needs_input_grad[0]:
-            w = weight.reshape(N, 1, Cw, fp.taps, Ho, Wo)
-            gxp = x.new_zeros(N, C // Cw, Cw, H + 2 * ph, W + 2 * pw)
-            for t, (rows, cols) in _taps(fp, Ho, Wo):
-                gxp[..., rows, cols].addcmul_(w[:, :, :, t], go)
-            gxp = gxp.view(N, C, H + 2 * ph, W + 2 * pw)
-            if fp.padding_mode == "reflect":  # fold the reflected taps back onto their sources
-                if _reflect_in_float32(x):
-                    grad_x = torch.ops.aten.reflection_pad2d_backward(
-                        gxp.float(), x.float(), [pw, pw, ph, ph]).to(x.dtype)
-                else:
-                    grad_x = torch.ops.aten.reflection_pad2d_backward(gxp, x, [pw, pw, ph, ph])
-            else:
-                grad_x = gxp[:, :, ph:ph + H, pw:pw + W]
-        return grad_x, grad_w, None
+        return _aggregate_backward(grad_out, x, weight, ctx.fp, *ctx.needs_input_grad[:2]) + (
+            None,)
+
+
+# The same loops as custom ops, for torch.compile with autograd: Dynamo and AOT autograd see one
+# opaque call each way instead of tracing kh*kw ops per call forward and backward (san10's first
+# compiled training step took 6x swin_tiny's). Their backward is not differentiable again.
+_FOOTPRINT_SCHEMA = "int[] kernel_size, int[] dilation, int[] stride, str padding_mode"
+
+
+def _footprint_of(kernel_size, dilation, stride, padding_mode) -> Footprint:
+    ks, dil = tuple(kernel_size), tuple(dilation)
+    return Footprint(ks, dil, tuple(stride), padding_mode,
+                     tuple(d * (k - 1) // 2 for k, d in zip(ks, dil)), ks[0] * ks[1])
+
+
+_aggregation_op = torch.library.custom_op(
+    "attnzoo::san_aggregation_reference",
+    lambda x, weight, *fp: _aggregate(x, weight, _footprint_of(*fp)), mutates_args=(),
+    schema=f"(Tensor x, Tensor weight, {_FOOTPRINT_SCHEMA}) -> Tensor")
+_aggregation_backward_op = torch.library.custom_op(
+    "attnzoo::san_aggregation_reference_backward",
+    lambda grad, x, weight, *fp: tuple(
+        g.contiguous() for g in _aggregate_backward(grad, x, weight, _footprint_of(*fp))),
+    mutates_args=(),
+    schema=f"(Tensor grad, Tensor x, Tensor weight, {_FOOTPRINT_SCHEMA}) -> (Tensor, Tensor)")
+
+
+@_aggregation_op.register_fake
+def _(x, weight, kernel_size, dilation, stride, padding_mode):
+    Ho, Wo = _out_size(_footprint_of(kernel_size, dilation, stride, padding_mode), *x.shape[-2:])
+    return x.new_empty(x.shape[0], x.shape[1], Ho, Wo)
+
+
+@_aggregation_backward_op.register_fake
+def _(grad, x, weight, *fp):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _aggregation_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:2])
+    ctx.fp = inputs[2:]
+
+
+def _aggregation_autograd(ctx, grad):
+    return _aggregation_backward_op(grad, *ctx.saved_tensors, *ctx.fp) + (None,) * 4
+
+
+_aggregation_op.register_autograd(_aggregation_autograd, setup_context=_aggregation_setup)
 
 
 def aggregation_reference(x: torch.Tensor, weight: torch.Tensor, fp: Footprint) -> torch.Tensor:
-    # Under torch.compile without autograd, the unfolded product: one reduction Inductor fuses,
-    # where the tap-by-tap loop traces kh*kw ops per call (san10's first compiled call took
-    # 3x swin_tiny's, BENCHMARKS.md "Compile time"). Training keeps the loop, whose backward
-    # holds no kh*kw-times larger copy of x.
-    if torch.compiler.is_compiling() and not (
-            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    # Under torch.compile: without autograd the unfolded product, one reduction Inductor fuses
+    # (inference affords kk copies of x); with it the loops as opaque custom ops, whose backward
+    # holds no kh*kw-times larger copy of x. Either way the graph does not grow with the taps.
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _aggregation_op(x, weight, list(fp.kernel_size), list(fp.dilation),
+                                   list(fp.stride), fp.padding_mode)
         return aggregation_export(x, weight, fp)
     return _Aggregation.apply(x, weight, fp)
 
