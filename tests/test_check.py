@@ -123,19 +123,23 @@ def test_check_on_cuda_without_a_gpu_is_one_line_exit_2(capsys, monkeypatch):
 @pytest.mark.skipif(bool(kernels.triton_missing()), reason=str(kernels.triton_missing()))
 def test_check_passes_the_triton_kernels_under_the_interpreter():
     """What a user without a GPU runs to check the kernels: TRITON_INTERPRET=1 set before
-    attnzoo is imported, in a fresh process (the op's small check cases only; a GPU host's
-    GPU hidden from it)."""
+    attnzoo is imported, in a fresh process (a GPU host's GPU hidden from it), here on one op of
+    each kernel family: every case of every op on the cuda backend is
+    test_ops_registry.py::test_backend_matches_the_float64_reference's, in process."""
+    ops = ("na1d", "qna2d", "san_subtraction")
     result = subprocess.run(
-        [sys.executable, "-m", "attnzoo", "check", "--device", "cpu", "--backend", "cuda"],
+        [sys.executable, "-m", "attnzoo", "check", "--device", "cpu", "--backend", "cuda",
+         "--op", *ops],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1",
                            CUDA_VISIBLE_DEVICES=""),
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _rows(result.stdout)
+    assert {op for op, _, _ in rows} == set(ops), result.stdout
     with_kernels = [op for op in backends.registered_ops()
                     if "cuda" in backends._OPS[op].backends]
-    assert {"na1d", "na2d", "qna2d", "san_aggregation"} <= set(with_kernels)
-    for op in with_kernels:
+    assert {"na1d", "na2d", "qna2d", "san_aggregation", "san_subtraction"} <= set(with_kernels)
+    for op in ops:
         n = len(backends.op_cases(op, "cpu", torch.float32))
         assert re.match(rf"{n}/{n} +\d\.\de-\d\d +\d\.\de-\d\d +1e-05 .* ok$",
                         rows[op, "cuda", "fp32"]), result.stdout

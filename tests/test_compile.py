@@ -35,6 +35,29 @@ def test_fullgraph_two_batch_sizes_matches_eager():
             torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14),
+    reason=f"torch {torch.__version__}'s Dynamo: checked on 2.14; 2.4's fails to specialize a "
+           "traced size (NAT's compile fails at a second map size there; docs/backends.md)")
+def test_a_second_map_size_recompiles_once_without_a_graph_break():
+    """A new input size makes Dynamo retrace with symbolic sizes; the NA plan (and the padding)
+    must then specialize on the map size, not break the graph once per block (as they did:
+    fullgraph raised, and a default compile split into a graph per block)."""
+    model = nat(NAT_SHALLOW).eval()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=counting, fullgraph=True)
+    with torch.no_grad():
+        for size, total in ((40, 1), (48, 2), (40, 2)):  # the first size's graph is kept
+            x = torch.randn(1, 3, size, size)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+            assert len(graphs) == total, (size, len(graphs))
+
+
 def test_fullgraph_autocast_bf16_with_drop_path():
     model = nat(NAT_SHALLOW, drop_path_rate=0.2).train()  # per-block drop-path rates: no recompiles
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)

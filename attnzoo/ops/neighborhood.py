@@ -236,6 +236,19 @@ def _build_plan(spatial, ks, dil, device, dtype) -> _Plan:
                  opt(_unless_identity(out_index, tiles * tq)), tiles, tq, rk)
 
 
+def static_size(size) -> int:
+    """``size`` as a plain int; under torch.compile with dynamic shapes, Dynamo specializes the
+    graph on it, so that what depends on it stays a constant of the graph. Dynamo keeps
+    ``int(size)`` symbolic, and an assume_constant_result call with a symbolic argument breaks
+    the graph (NAT's broke once per block at a second input size). ``len(range(size))`` is the
+    value (torch 2.14 guards on it; older Dynamo reads its hint unguarded), and comparing the
+    size with it makes every version guard on it."""
+    value = len(range(size))
+    if size != value:  # never true: the comparison is the guard
+        raise AssertionError(f"size {size} is not {value}")
+    return value
+
+
 # Under torch.compile the plan is a constant of the graph (it depends on static shapes only), so
 # Dynamo neither traces its construction nor breaks the graph for it.
 @torch.compiler.assume_constant_result
@@ -274,8 +287,7 @@ def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
     One SDPA call over all tiles: its batch is B and its "heads" are (head, tile) pairs, so the
     bias (shared by the batch) broadcasts instead of being repeated B times."""
     n = len(kernel_size)
-    # int(): under dynamic shapes, specialize on the map size so the plan stays a constant.
-    B, spatial, heads = q.shape[0], tuple(int(s) for s in q.shape[1:1 + n]), q.shape[-2]
+    B, spatial, heads = q.shape[0], tuple(static_size(s) for s in q.shape[1:1 + n]), q.shape[-2]
     plan = _plan_constant(spatial, tuple(kernel_size), tuple(dilation), q.device, q.dtype)
 
     # sizes written out, never -1: an empty batch must reshape too
@@ -696,7 +708,7 @@ def _window_keys(spatial, kernel_size, dilation, like: torch.Tensor):
     if backends.exporting():
         return backends.export_memo(("na", *spatial, kernel_size, dilation, like.device), like,
                                     _neighbourhood, spatial, kernel_size, dilation, like.device)
-    return _window_keys_constant(tuple(int(s) for s in spatial), kernel_size, dilation,
+    return _window_keys_constant(tuple(static_size(s) for s in spatial), kernel_size, dilation,
                                  like.device)
 
 
