@@ -240,9 +240,9 @@ def static_size(size) -> int:
     """``size`` as a plain int; under torch.compile with dynamic shapes, Dynamo specializes the
     graph on it, so that what depends on it stays a constant of the graph. Dynamo keeps
     ``int(size)`` symbolic, and an assume_constant_result call with a symbolic argument breaks
-    the graph (NAT's broke once per block at a second input size). ``len(range(size))`` is the
-    value (torch 2.14 guards on it; older Dynamo reads its hint unguarded), and comparing the
-    size with it makes every version guard on it."""
+    the graph (NAT's broke once per block at a second input size). torch 2.14's Dynamo guards
+    on ``len(range(size))``; where a Dynamo reads it unguarded, the comparison below asks for
+    the guard (torch 2.4's still fails at a second map size, as it did with ``int()``)."""
     value = len(range(size))
     if size != value:  # never true: the comparison is the guard
         raise AssertionError(f"size {size} is not {value}")
