@@ -23,9 +23,10 @@ The torch reference (any device and float dtype, differentiable) gathers the foo
 anyway, and aggregates tap by tap over shifted views of the padded input, forward and (a
 hand-written autograd Function) backward, so it never builds the ``kk``-times larger unfolded
 copy of ``x``; under torch.compile those loops are custom ops (one opaque call each way), and
-without autograd the aggregation is the unfolded product, which Inductor fuses. NATTEN has no such ops. The ``cuda`` backend is attnzoo's fused Triton kernels
-(:mod:`attnzoo.kernels.san`): one launch per op and direction, each tap read from the input
-directly; ``auto`` takes them only on GPU architectures where they were verified.
+without autograd the aggregation is the unfolded product, which Inductor fuses. NATTEN has no
+such ops. The ``cuda`` backend is attnzoo's fused Triton kernels (:mod:`attnzoo.kernels.san`):
+one launch per op and direction, each tap read from the input directly; ``auto`` takes them
+only on GPU architectures where they were verified.
 
 MACs (:func:`attnzoo.profiling.count_macs`): the aggregation ``N * C * L * kk`` multiply-adds,
 the subtractions one per output element (as SAN's official counter counts them).
@@ -84,6 +85,13 @@ def _out_size(fp: Footprint, H: int, W: int) -> Tuple[int, int]:
     return (H - 1) // fp.stride[0] + 1, (W - 1) // fp.stride[1] + 1
 
 
+def _footprint_of(kernel_size, dilation, stride, padding_mode) -> Footprint:
+    """The footprint of validated (or schema-typed: lists) arguments."""
+    ks, dil = tuple(kernel_size), tuple(dilation)
+    return Footprint(ks, dil, tuple(stride), padding_mode,
+                     tuple(d * (k - 1) // 2 for k, d in zip(ks, dil)), ks[0] * ks[1])
+
+
 def _footprint(fn: str, x: torch.Tensor, kernel_size, dilation, stride,
                padding_mode) -> Footprint:
     ks = _pair(kernel_size, "kernel_size", fn)
@@ -99,8 +107,7 @@ def _footprint(fn: str, x: torch.Tensor, kernel_size, dilation, stride,
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"{fn}: padding_mode must be one of {PADDING_MODES}, got "
                          f"{padding_mode!r}")
-    fp = Footprint(ks, dil, st, padding_mode,
-                   tuple(d * (k - 1) // 2 for k, d in zip(ks, dil)), ks[0] * ks[1])
+    fp = _footprint_of(ks, dil, st, padding_mode)
     H, W = x.shape[-2:]
     if padding_mode == "reflect" and (fp.padding[0] >= H or fp.padding[1] >= W):
         raise ValueError(
@@ -245,12 +252,6 @@ class _Aggregation(torch.autograd.Function):
 # opaque call each way instead of tracing kh*kw ops per call forward and backward (san10's first
 # compiled training step took 6x swin_tiny's). Their backward is not differentiable again.
 _FOOTPRINT_SCHEMA = "int[] kernel_size, int[] dilation, int[] stride, str padding_mode"
-
-
-def _footprint_of(kernel_size, dilation, stride, padding_mode) -> Footprint:
-    ks, dil = tuple(kernel_size), tuple(dilation)
-    return Footprint(ks, dil, tuple(stride), padding_mode,
-                     tuple(d * (k - 1) // 2 for k, d in zip(ks, dil)), ks[0] * ks[1])
 
 
 _aggregation_op = torch.library.custom_op(
