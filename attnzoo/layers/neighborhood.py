@@ -9,6 +9,7 @@ Small inputs: NA needs ``kernel_size * dilation <= H, W``. Like the official run
 zero-pads its (already normalised) input right/bottom up to ``kernel_size * dilation`` before
 ``qkv``, so the padded tokens' keys/values equal the ``qkv`` bias and are *not* masked, runs NA,
 and crops back before ``proj``. Official weights thus give official outputs at any input size.
+While exporting, the padding is one zero token that the padded keys read (``export_forward``).
 
 Backend dispatch happens in plain module-level functions: :func:`na2d_dispatch` is
 ``@torch.jit.ignore`` (scripted models call it as Python, so the context-variable backend switch
@@ -26,6 +27,7 @@ from timm.models import register_notrace_function
 
 from .. import backends
 from ..ops import na2d, na2d_qk, na_window_positions
+from ..ops.neighborhood import na_export_flat
 from .attention_map import AttentionMap
 from .quest import check_attn_norm, l2_normalize
 
@@ -180,7 +182,32 @@ class NeighborhoodAttention2d(nn.Module):
         return AttentionMap(weights[:, :H, :W], ("batch", "y", "x", "head", "key"),
                             keys[:H, :W], (H, W))
 
+    def export_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` while exporting: NA's export formula on the flattened map, with, where
+        the map may be smaller than the window (any traced size), one zero token in front that
+        stands for the padding (:func:`attnzoo.ops.neighborhood.na_export_flat`): no shape of
+        the graph holds the padded size (its max() made torch.export and the dynamo exporter's
+        decompositions seconds slower per model)."""
+        B, H, W, C = x.shape
+        small = not (isinstance(H, int) and isinstance(W, int)) or min(H, W) < self.window
+        padded = small or torch.jit.is_tracing()
+        x = x.reshape(B, -1, C)
+        if padded:
+            x = torch.cat([x.new_zeros(1, 1, C).expand(B, 1, C), x], 1)
+        qkv = self.qkv(x).reshape(B, -1, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.select(2, 0), qkv.select(2, 1), qkv.select(2, 2)
+        if self.attn_norm == "quest":
+            k = l2_normalize(k)
+        q = (q[:, 1:] if padded else q).unsqueeze(2)
+        ks, dil = (self.kernel_size,) * 2, (self.dilation,) * 2
+        x = na_export_flat(q, k, v, (H, W), ks, dil, self.rpb, self.scale, padded)
+        return self.proj_drop(self.proj(x.reshape(B, H, W, C)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
+        if not torch.jit.is_scripting():
+            if backends.exporting():
+                return self.export_forward(x)
         H, W = x.shape[1], x.shape[2]
         x = pad_to_window(x, self.window)
         q, k, v = self.heads_qkv(x)

@@ -308,6 +308,67 @@ def _layout_tensors(H: int, W: int, window_size: int, padded: bool, device: torc
                                                                               wh * ww)
 
 
+def _slot_axis(L, w: int, device: torch.device):
+    """One axis of :func:`_slot_layout`: ``count`` windows of ``window = ceil(L / count)``
+    tokens, each in a slot of ``w``: which token fills each slot position (0 where none, then
+    not ``valid``), ``[count * w]`` each, and each token's slot position, ``[L]``. The window
+    size is computed by tensor ops: as a size it would be ``L`` divided by an expression of
+    ``L``, which every later shape would carry."""
+    count = (L + w - 1) // w
+    s = torch.arange(count * w, device=device)
+    window = torch.div(s - s + (L + count - 1), count, rounding_mode="floor")
+    token = torch.div(s, w, rounding_mode="floor") * window + s % w
+    valid = (s % w < window) & (token < L)
+    y = torch.arange(L, device=device)
+    window_y = torch.div(y - y + (L + count - 1), count, rounding_mode="floor")
+    slot = torch.div(y, window_y, rounding_mode="floor") * w + y % window_y
+    return torch.where(valid, token, 0), valid, slot, count
+
+
+def _slot_layout(H, W, window_size: int, device: torch.device):
+    """:func:`window_attention`'s windows at a size traced for export, each in a
+    ``window_size`` square slot (its top-left corner): the slots' tokens (rows, columns),
+    which keys of each window are padding ``[nh * nw, 1, 1, w * w]``, the tokens' slot
+    positions (rows, columns), the slot counts and the bias table's rows for a slot."""
+    w = window_size
+    rows, valid_r, slot_r, nh = _slot_axis(H, w, device)
+    cols, valid_c, slot_c, nw = _slot_axis(W, w, device)
+    valid = valid_r.view(-1, 1, w, 1) & valid_c.view(1, -1, 1, w)         # [nh, nw, w, w]
+    index = relative_position_index(w, w, w, device).reshape(-1)
+    return rows, cols, ~valid.reshape(-1, 1, 1, w * w), slot_r, slot_c, nh, nw, index
+
+
+def _window_attention_slots(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
+                            window_size: int, attn_norm: str) -> torch.Tensor:
+    """:func:`window_attention` for a torch.export trace with a traced map size: every window
+    in a ``window_size`` slot, its padding keys masked; shapes then hold the map size and
+    ``ceil(size / window_size)``, not the window size ``ceil(size / ceil(size / w))`` (a
+    division by an expression, which made torch.export and the dynamo exporter's
+    decompositions several times slower per block)."""
+    B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
+    C = qkv.shape[3] // 3
+    head_dim, w = C // num_heads, window_size
+    rows, cols, invalid, slot_r, slot_c, nh, nw, index = backends.export_memo(
+        ("lsa slots", H, W, w, qkv.device), qkv, _slot_layout, H, W, w, qkv.device)
+    n = w * w
+    qkv = qkv.index_select(1, rows).index_select(2, cols)           # [B, nh * w, nw * w, 3C]
+    qkv = qkv.reshape(B, nh, w, nw, w, 3, num_heads, head_dim)
+    q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
+                                                          head_dim).unbind(0)
+    scale: Optional[float] = None
+    if attn_norm == "quest":
+        k, scale = l2_normalize(k), 1.0
+    bias = table[index].reshape(n, n, num_heads).permute(2, 0, 1)               # [heads, n, n]
+    bias = (bias if bias.dtype == q.dtype else bias.to(q.dtype)).unsqueeze(0)
+    bias = bias.masked_fill(invalid, float("-inf"))                             # [nW, heads, n, n]
+    bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    out = out.reshape(B, nh, nw, num_heads, w, w, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
+    out = out.clone(memory_format=torch.contiguous_format)  # see window_attention
+    out = out.reshape(B, nh * w, nw * w, C)
+    return out.index_select(1, slot_r).index_select(2, slot_c)
+
+
 @register_notrace_function
 def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
                      window_size: int, attn_norm: str = "none") -> torch.Tensor:
@@ -320,6 +381,9 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     the map, the padded keys are masked out. ``attn_norm="quest"``: keys L2-normalised per head
     and scale 1 (QUEST) instead of scale ``head_dim ** -0.5``. Returns ``[B, H, W, C]``."""
     B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
+    if not torch.jit.is_scripting():
+        if not (isinstance(H, int) and isinstance(W, int)) and backends._is_exporting():
+            return _window_attention_slots(qkv, table, num_heads, window_size, attn_norm)
     C = qkv.shape[3] // 3
     head_dim = C // num_heads
     wh, nh = window_layout(H, window_size)

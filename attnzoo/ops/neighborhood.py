@@ -352,39 +352,52 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 # export formula
 # --------------------------------------------------------------------------------------------
 
-def _axis_neighbours(L, K: int, d: int, device: torch.device
+def _axis_neighbours(L, K: int, d: int, device: torch.device, window: int = 0
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """For each position of an axis of length ``L`` (an int, or a size traced for export): its
     ``K`` key positions and their rpb offsets, ``[L, K]`` each; tensor ops only, so that an
-    exported graph derives them from the input's shape."""
+    exported graph derives them from the input's shape. ``window``: the axis is zero-padded at
+    its end to at least this length; keys at ``L`` and beyond are padding."""
     i = torch.arange(L, device=device)
     if d == 1:
         # L - K - i + i: the last start as a tensor, whether L is an int or a traced size
-        start = torch.minimum(torch.clamp(i - K // 2, min=0), L - K - i + i)
+        last = L - K - i + i
+        if window:
+            last = torch.clamp(last, min=window - K)
+        start = torch.minimum(torch.clamp(i - K // 2, min=0), last)
         key = start.unsqueeze(1) + torch.arange(K, device=device)
         return key, key - (i.unsqueeze(1) - (K - 1))
     # operands are >= 0: truncating division is floor division, and exports to one node
     g, ip = i % d, torch.div(i, d, rounding_mode="trunc")
-    group_len = torch.div(L - g + d - 1, d, rounding_mode="trunc")
+    size = L if not window else torch.clamp(L - g + g, min=window)
+    group_len = torch.div(size - g + d - 1, d, rounding_mode="trunc")
     start = torch.minimum(torch.clamp(ip - K // 2, min=0), group_len - K).unsqueeze(1)
     key_ip = start + torch.arange(K, device=device)
     return key_ip * d + g.unsqueeze(1), key_ip - (ip.unsqueeze(1) - (K - 1))
 
 
 def _neighbourhood(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
-                   device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+                   device: torch.device, padded: bool = False
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every query's ``K**n`` keys as positions in the row-major flattened map, and their rows
-    of the row-major rpb table, ``[N * K**n]`` each, from the axes' :func:`_axis_neighbours`."""
-    key = rel = None
+    of the row-major rpb table, ``[N * K**n]`` each, from the axes' :func:`_axis_neighbours`.
+    ``padded``: each axis is padded to at least ``K * d`` (``NeighborhoodAttention2d``'s small
+    inputs); then the positions are shifted by one, and 0 is every key in the padding."""
+    key = rel = valid = None
     for a, (L, K, d) in enumerate(zip(spatial, kernel_size, dilation)):
-        key_a, rel_a = _axis_neighbours(L, K, d, device)          # [L_a, K_a]
+        key_a, rel_a = _axis_neighbours(L, K, d, device, K * d if padded else 0)  # [L_a, K_a]
         for _ in range(a):  # -> [1, .., L_a, 1, .., K_a]: after the earlier axes' dims
             key_a, rel_a = key_a.unsqueeze(0).unsqueeze(-2), rel_a.unsqueeze(0).unsqueeze(-2)
+        valid_a = key_a < L if padded else None
         if key is None:
-            key, rel = key_a, rel_a
+            key, rel, valid = key_a, rel_a, valid_a
         else:
             key = key.unsqueeze(a).unsqueeze(-1) * L + key_a
             rel = rel.unsqueeze(a).unsqueeze(-1) * (2 * K - 1) + rel_a
+            if padded:
+                valid = valid.unsqueeze(a).unsqueeze(-1) & valid_a
+    if padded:
+        key = torch.where(valid, key + 1, 0)
     return key.reshape(-1), rel.reshape(-1)
 
 
@@ -396,7 +409,7 @@ def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tu
     every query's ``K**n`` keys in the flattened map (:func:`_neighbourhood`, once per size and
     kernel in a torch.export trace: :func:`attnzoo.backends.export_memo`); keys and values are
     gathered by one ``index_select`` each (``K**n`` copies of k and v, which inference affords)
-    and the softmax runs over each query's keys.
+    and the softmax runs over each query's keys (:func:`na_export_flat`).
 
     Its node count is what the dynamo exporter's time follows: every node costs symbolic-shape
     work in torch.export and its decompositions, and onnxscript's optimizer matches patterns
@@ -406,23 +419,38 @@ def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tu
     the last, and no cast to the dtype a tensor already has (it would be two nodes)."""
     n = len(kernel_size)
     B, spatial, heads = q.shape[0], q.shape[1:1 + n], q.shape[-2]
-    key, rel = backends.export_memo(("na", *spatial, kernel_size, dilation, q.device), q,
-                                    _neighbourhood, spatial, kernel_size, dilation, q.device)
+    kf, vf = (x.reshape(B, -1, heads, x.shape[-1]) for x in (k, v))
+    out = na_export_flat(q.reshape(B, -1, 1, heads, q.shape[-1]), kf, vf, spatial, kernel_size,
+                         dilation, rpb, scale, False)
+    return out.reshape_as(v)  # v's shape (the TorchScript exporter reads it in two nodes)
+
+
+def na_export_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spatial,
+                   kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
+                   rpb: Optional[torch.Tensor], scale: float, padded: bool) -> torch.Tensor:
+    """:func:`na_export` on flattened maps: ``q [B, N, 1, heads, c]``, ``k, v [B, N, heads, c]``
+    (``N`` the product of the sizes ``spatial``), returns ``[B, N, heads, c]``.
+
+    ``padded``: each axis is taken as zero-padded at its end to at least ``K * d`` (as
+    ``NeighborhoodAttention2d`` pads small inputs), and ``k, v`` are ``[B, 1 + N, heads, c]``,
+    the padding's token first, which every key in the padding reads: no shape holds the padded
+    size (a max() of the size, which made every later shape's symbolic work slower)."""
+    B, heads = q.shape[0], q.shape[-2]
+    key, rel = backends.export_memo(("na", *spatial, kernel_size, dilation, padded, q.device),
+                                    q, _neighbourhood, spatial, kernel_size, dilation, q.device,
+                                    padded)
     taps = math.prod(kernel_size)
 
-    def windows(x):  # [B, *spatial, heads, c] -> [B, N, K**n, heads, c]
-        c = x.shape[-1]
-        return x.reshape(B, -1, heads, c).index_select(1, key).reshape(B, -1, taps, heads, c)
+    def windows(x):  # [B, N, heads, c] -> [B, N, K**n, heads, c]
+        return x.index_select(1, key).reshape(B, -1, taps, heads, x.shape[-1])
 
-    qs = (q * scale).reshape(B, -1, 1, heads, q.shape[-1])
-    logits = (qs * windows(k)).sum(-1)                            # [B, N, K**n, heads]
+    logits = ((q * scale) * windows(k)).sum(-1)                     # [B, N, K**n, heads]
     if rpb is not None:
         bias = rpb.reshape(heads, -1).index_select(1, rel).reshape(heads, -1, taps)
         bias = bias if bias.dtype == logits.dtype else bias.to(logits.dtype)
         logits = logits + bias.permute(1, 2, 0)
     p = logits.softmax(2)
-    out = (p.unsqueeze(-1) * windows(v)).sum(2)                   # [B, N, heads, c]
-    return out.reshape_as(v)  # v's shape (the TorchScript exporter reads it in two nodes)
+    return (p.unsqueeze(-1) * windows(v)).sum(2)                   # [B, N, heads, c]
 
 
 # --------------------------------------------------------------------------------------------
@@ -706,8 +734,9 @@ def _window_keys(spatial, kernel_size, dilation, like: torch.Tensor):
     """:func:`_neighbourhood`'s key positions and rpb rows: cached per size in eager and
     compiled calls, and derived from the input's shape (once per trace) while exporting."""
     if backends.exporting():
-        return backends.export_memo(("na", *spatial, kernel_size, dilation, like.device), like,
-                                    _neighbourhood, spatial, kernel_size, dilation, like.device)
+        return backends.export_memo(("na", *spatial, kernel_size, dilation, False, like.device),
+                                    like, _neighbourhood, spatial, kernel_size, dilation,
+                                    like.device)
     return _window_keys_constant(tuple(static_size(s) for s in spatial), kernel_size, dilation,
                                  like.device)
 

@@ -353,32 +353,62 @@ def _window_softmax(logits: torch.Tensor, rpb: Optional[torch.Tensor], k: int, s
     return z.softmax(3)
 
 
+def _window_index(H, W, k: int, stride: int, device: torch.device) -> torch.Tensor:
+    """Each output position's ``k x k`` window as rows of the flattened map with one row in
+    front for outside the map (0), ``[Ho * Wo * k * k]`` (row-major offsets); tensor ops of the
+    sizes only, so an exported graph derives it from the input's shape."""
+    r = (k - 1) // 2
+
+    def axis(L):  # [Lo, k]: the taps' positions, and whether they lie in the map
+        pos = (torch.arange(_out_size(L, stride), device=device) * stride - r).unsqueeze(1) \
+            + torch.arange(k, device=device)
+        return pos, (pos >= 0) & (pos < L)
+
+    (y, valid_y), (x, valid_x) = axis(H), axis(W)
+    flat = y.view(-1, 1, k, 1) * W + x.view(1, -1, 1, k) + 1               # [Ho, Wo, k, k]
+    return torch.where(valid_y.view(-1, 1, k, 1) & valid_x.view(1, -1, 1, k), flat, 0).reshape(-1)
+
+
 def qna2d_export(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
                  window_weights: Optional[torch.Tensor], kernel_size: int, stride: int,
                  sum_queries: bool) -> torch.Tensor:
-    """QnA as an export graph: every window unfolded (``F.unfold``, sizes from the input's
-    shape), out-of-bounds logits ``-inf``, one softmax per window. Exact for any logits, with
-    no data-dependent branch and a graph that does not grow with the kernel; it holds
-    ``k * k`` copies of the logits and values, which inference affords. Tensors already in the
-    compute dtype are not cast: each cast is two nodes of the exported graph."""
-    B, L, h, d = logits.shape[0], logits.shape[3], logits.shape[4], v.shape[-1]
+    """QnA as an export graph: every window gathered by one ``index_select`` of the flattened
+    map (:func:`_window_index`, from the input's shape, once per size in a torch.export trace:
+    :func:`attnzoo.backends.export_memo`) with a row in front for outside the map (logit
+    ``-inf``, value 0), one softmax per window. Exact for any logits, with no data-dependent
+    branch and a graph that does not grow with the kernel; it holds ``k * k`` copies of the
+    logits and values, which inference affords. (``F.unfold`` did the same in more nodes, each
+    with symbolic shape work, and once per layer.) Tensors already in the compute dtype are
+    not cast: each cast is two nodes of the exported graph."""
+    B, H, W = logits.shape[0], logits.shape[1], logits.shape[2]
+    L, h, d = logits.shape[3], logits.shape[4], v.shape[-1]
     k = kernel_size
     dtype = _compute_dtype(v.dtype)
 
     def cast(x, to=dtype):
         return x if x.dtype == to else x.to(to)
 
-    p = _window_softmax(logits, rpb, k, stride, dtype)
+    index = backends.export_memo(("qna", H, W, k, stride, logits.device), logits,
+                                 _window_index, H, W, k, stride, logits.device)
+
+    def windows(x, outside: float):  # [B, H, W, ...] -> [B, Ho * Wo, k * k, C]
+        x = cast(x.reshape(B, -1, x.shape[3] * x.shape[4]))
+        x = torch.cat([x.new_full((1, 1, x.shape[2]), outside).expand(B, 1, -1), x], 1)
+        return x.index_select(1, index).reshape(B, -1, k * k, x.shape[2])
+
+    z = windows(logits, float("-inf")).reshape(B, -1, k * k, L, h)
+    if rpb is not None:
+        z = z + cast(rpb).reshape(L, h, k * k).permute(2, 0, 1)
+    p = z.softmax(2)                                                  # [B, Ho*Wo, k*k, L, h]
     if window_weights is not None:
-        p = p * cast(window_weights).reshape(L, h, k * k, 1)
-    values = _unfold_windows(cast(v.reshape(*v.shape[:3], h * d)), k, stride, 0.).reshape(
-        B, 1, h, d, k * k, -1)
-    Ho, Wo = _out_size(logits.shape[1], stride), _out_size(logits.shape[2], stride)
-    if sum_queries:  # [B, h, d, Ho*Wo] -> [B, Ho, Wo, h, d]
-        out = (p.sum(1).unsqueeze(2) * values[:, 0]).sum(3)
-        return cast(out.reshape(B, h, d, Ho, Wo).permute(0, 3, 4, 1, 2), v.dtype)
-    out = (p.unsqueeze(3) * values).sum(4)                        # [B, L, h, d, Ho*Wo]
-    return cast(out.reshape(B, L, h, d, Ho, Wo).permute(0, 4, 5, 1, 2, 3), v.dtype)
+        p = p * cast(window_weights).reshape(L, h, k * k).permute(2, 0, 1)
+    values = windows(v, 0.).reshape(B, -1, k * k, h, d)
+    Ho, Wo = _out_size(H, stride), _out_size(W, stride)
+    if sum_queries:
+        out = (p.sum(3).unsqueeze(-1) * values).sum(2)                # [B, Ho*Wo, h, d]
+        return cast(out.reshape(B, Ho, Wo, h, d), v.dtype)
+    out = (p.unsqueeze(-1) * values.unsqueeze(3)).sum(2)              # [B, Ho*Wo, L, h, d]
+    return cast(out.reshape(B, Ho, Wo, L, h, d), v.dtype)
 
 
 # --------------------------------------------------------------------------------------------
