@@ -381,20 +381,18 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     the map, the padded keys are masked out. ``attn_norm="quest"``: keys L2-normalised per head
     and scale 1 (QUEST) instead of scale ``head_dim ** -0.5``. Returns ``[B, H, W, C]``."""
     B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
-    if not torch.jit.is_scripting():
-        if not (isinstance(H, int) and isinstance(W, int)) and backends._is_exporting():
+    if not torch.jit.is_scripting():  # (TorchScript compiles neither the check nor the export)
+        if not (isinstance(H, int) and isinstance(W, int)) and backends.exporting():
             return _window_attention_slots(qkv, table, num_heads, window_size, attn_norm)
     C = qkv.shape[3] // 3
     head_dim = C // num_heads
     wh, nh = window_layout(H, window_size)
     ww, nw = window_layout(W, window_size)
     pad_h, pad_w = nh * wh - H, nw * ww - W
-    if torch.jit.is_scripting():  # (TorchScript compiles neither the check nor the export)
+    if torch.jit.is_scripting():
         padded = pad_h > 0 or pad_w > 0
-    else:  # a graph exported for other sizes (traced ones) always pads (maybe by 0) and masks
-        traced_size = not (isinstance(H, int) and isinstance(W, int))
-        padded = (torch.jit.is_tracing() or (traced_size and backends.exporting())
-                  or pad_h > 0 or pad_w > 0)
+    else:  # a TorchScript trace serves other sizes too: it always pads (maybe by 0) and masks
+        padded = torch.jit.is_tracing() or pad_h > 0 or pad_w > 0
     if padded:
         qkv = F.pad(qkv, (0, 0, 0, pad_w, 0, pad_h))
     n = wh * ww
