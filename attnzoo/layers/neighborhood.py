@@ -34,19 +34,10 @@ from .quest import check_attn_norm, l2_normalize
 __all__ = ["NeighborhoodAttention2d"]
 
 
-def _at_least_zero(size):
-    """``max(size, 0)`` of a size traced for export: a tensor (torch.jit.trace) or a SymInt."""
-    return torch.clamp(size, min=0) if isinstance(size, torch.Tensor) else torch.sym_max(size, 0)
-
-
 @register_notrace_function
 def pad_to_window(x: torch.Tensor, window: int) -> torch.Tensor:
-    """Zero-pad NHWC ``x`` right/bottom so that H and W are at least ``window`` (= K * d)."""
-    # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
-    if not torch.jit.is_scripting():
-        if backends.exporting():  # one graph for every size: the padding follows the size
-            pad_h, pad_w = (_at_least_zero(window - x.shape[axis]) for axis in (1, 2))
-            return F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+    """Zero-pad NHWC ``x`` right/bottom so that H and W are at least ``window`` (= K * d).
+    (An export does not come here: :meth:`NeighborhoodAttention2d.export_forward`.)"""
     pad_h = max(window - x.shape[1], 0)
     pad_w = max(window - x.shape[2], 0)
     if pad_h > 0 or pad_w > 0:

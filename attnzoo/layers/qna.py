@@ -338,6 +338,34 @@ def _slot_layout(H, W, window_size: int, device: torch.device):
     return rows, cols, ~valid.reshape(-1, 1, 1, w * w), slot_r, slot_c, nh, nw, index
 
 
+def _attend_in_windows(qkv: torch.Tensor, table: torch.Tensor, index: torch.Tensor,
+                       invalid: Optional[torch.Tensor], num_heads: int, nh: int, nw: int,
+                       wh: int, ww: int, attn_norm: str) -> torch.Tensor:
+    """Attention inside each of ``nh x nw`` windows of ``wh x ww`` that tile ``qkv [B, nh * wh,
+    nw * ww, 3 * C]`` exactly: ``index`` the bias table's rows for a window, ``invalid`` (or
+    None) its keys to mask ``[nh * nw, 1, 1, wh * ww]``. Returns ``[B, nh * wh, nw * ww, C]``."""
+    B, C = qkv.shape[0], qkv.shape[3] // 3
+    head_dim, n = C // num_heads, wh * ww
+    qkv = qkv.reshape(B, nh, wh, nw, ww, 3, num_heads, head_dim)
+    q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
+                                                          head_dim).unbind(0)
+    # None: SDPA's head_dim ** -0.5 (torch 2.4's TorchScript ONNX exporter fails on a float)
+    scale: Optional[float] = None
+    if attn_norm == "quest":
+        k, scale = l2_normalize(k), 1.0
+    bias = table[index].reshape(n, n, num_heads).permute(2, 0, 1)               # [heads, n, n]
+    bias = (bias if bias.dtype == q.dtype else bias.to(q.dtype)).unsqueeze(0)
+    if invalid is not None:
+        bias = bias.masked_fill(invalid, float("-inf"))                         # [nW, heads, n, n]
+        bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    out = out.reshape(B, nh, nw, num_heads, wh, ww, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
+    # the copy the reshape below makes anyway, made explicit: on torch 2.14 the ONNX dynamo
+    # exporter's decompositions turn that reshape into a view that fails at a dynamic batch
+    out = out.clone(memory_format=torch.contiguous_format)
+    return out.reshape(B, nh * wh, nw * ww, C)
+
+
 def _window_attention_slots(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
                             window_size: int, attn_norm: str) -> torch.Tensor:
     """:func:`window_attention` for a torch.export trace with a traced map size: every window
@@ -345,27 +373,11 @@ def _window_attention_slots(qkv: torch.Tensor, table: torch.Tensor, num_heads: i
     ``ceil(size / window_size)``, not the window size ``ceil(size / ceil(size / w))`` (a
     division by an expression, which made torch.export and the dynamo exporter's
     decompositions several times slower per block)."""
-    B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
-    C = qkv.shape[3] // 3
-    head_dim, w = C // num_heads, window_size
+    H, W, w = qkv.shape[1], qkv.shape[2], window_size
     rows, cols, invalid, slot_r, slot_c, nh, nw, index = backends.export_memo(
         ("lsa slots", H, W, w, qkv.device), qkv, _slot_layout, H, W, w, qkv.device)
-    n = w * w
     qkv = qkv.index_select(1, rows).index_select(2, cols)           # [B, nh * w, nw * w, 3C]
-    qkv = qkv.reshape(B, nh, w, nw, w, 3, num_heads, head_dim)
-    q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
-                                                          head_dim).unbind(0)
-    scale: Optional[float] = None
-    if attn_norm == "quest":
-        k, scale = l2_normalize(k), 1.0
-    bias = table[index].reshape(n, n, num_heads).permute(2, 0, 1)               # [heads, n, n]
-    bias = (bias if bias.dtype == q.dtype else bias.to(q.dtype)).unsqueeze(0)
-    bias = bias.masked_fill(invalid, float("-inf"))                             # [nW, heads, n, n]
-    bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    out = out.reshape(B, nh, nw, num_heads, w, w, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
-    out = out.clone(memory_format=torch.contiguous_format)  # see window_attention
-    out = out.reshape(B, nh * w, nw * w, C)
+    out = _attend_in_windows(qkv, table, index, invalid, num_heads, nh, nw, w, w, attn_norm)
     return out.index_select(1, slot_r).index_select(2, slot_c)
 
 
@@ -380,12 +392,10 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     and a multiple of it is tiled exactly as the official code does; where the windows overrun
     the map, the padded keys are masked out. ``attn_norm="quest"``: keys L2-normalised per head
     and scale 1 (QUEST) instead of scale ``head_dim ** -0.5``. Returns ``[B, H, W, C]``."""
-    B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
+    H, W = qkv.shape[1], qkv.shape[2]
     if not torch.jit.is_scripting():  # (TorchScript compiles neither the check nor the export)
         if not (isinstance(H, int) and isinstance(W, int)) and backends.exporting():
             return _window_attention_slots(qkv, table, num_heads, window_size, attn_norm)
-    C = qkv.shape[3] // 3
-    head_dim = C // num_heads
     wh, nh = window_layout(H, window_size)
     ww, nw = window_layout(W, window_size)
     pad_h, pad_w = nh * wh - H, nw * ww - W
@@ -395,31 +405,13 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
         padded = torch.jit.is_tracing() or pad_h > 0 or pad_w > 0
     if padded:
         qkv = F.pad(qkv, (0, 0, 0, pad_w, 0, pad_h))
-    n = wh * ww
-    qkv = qkv.reshape(B, nh, wh, nw, ww, 3, num_heads, head_dim)
-    q, k, v = qkv.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, B * nh * nw, num_heads, n,
-                                                          head_dim).unbind(0)
-    # None: SDPA's head_dim ** -0.5 (torch 2.4's TorchScript ONNX exporter fails on a float)
-    scale: Optional[float] = None
-    if attn_norm == "quest":
-        k, scale = l2_normalize(k), 1.0
     if torch.jit.is_scripting():
         index, invalid = _layout_tensors(H, W, window_size, padded, qkv.device)
     else:  # once per stage in an exported graph
         index, invalid = backends.export_memo(("lsa", H, W, window_size, padded, qkv.device),
                                               qkv, _layout_tensors, H, W, window_size, padded,
                                               qkv.device)
-    bias = table[index].reshape(n, n, num_heads).permute(2, 0, 1)               # [heads, n, n]
-    bias = (bias if bias.dtype == q.dtype else bias.to(q.dtype)).unsqueeze(0)
-    if invalid is not None:
-        bias = bias.masked_fill(invalid, float("-inf"))                         # [nW, heads, n, n]
-        bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    out = out.reshape(B, nh, nw, num_heads, wh, ww, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
-    # the copy the reshape below makes anyway, made explicit: on torch 2.14 the ONNX dynamo
-    # exporter's decompositions turn that reshape into a view that fails at a dynamic batch
-    out = out.clone(memory_format=torch.contiguous_format)
-    out = out.reshape(B, nh * wh, nw * ww, C)
+    out = _attend_in_windows(qkv, table, index, invalid, num_heads, nh, nw, wh, ww, attn_norm)
     if padded:
         out = out[:, :H, :W]
     return out
