@@ -230,6 +230,42 @@ def test_na1d_accepts_tuple_args():
 
 
 # --------------------------------------------------------------------------------------------
+# the custom op a compiled training step runs: the reference, with its backward written out
+# --------------------------------------------------------------------------------------------
+
+_OP_CASES = [pytest.param(*p.values, id=f"2d-{p.id}") for p in CASES_2D] + [
+    pytest.param(*p.values, None, id=f"1d-{p.id}") for p in CASES_1D]
+
+
+@pytest.mark.parametrize("shape,kernel,dilation,use_rpb,scale,v_dim", _OP_CASES)
+def test_the_custom_op_and_its_backward_match_brute_force(shape, kernel, dilation, use_rpb,
+                                                         scale, v_dim):
+    n = len(shape) - 3
+    ks = _pair(kernel) if n == 2 else (kernel,)
+    dil = _pair(dilation) if n == 2 else (dilation,)
+    q, k, v, rpb = make_inputs(shape, ks if use_rpb else None, v_dim=v_dim, requires_grad=True)
+    inputs = [t for t in (q, k, v, rpb) if t is not None]
+    out = torch.ops.attnzoo.na_reference(q, k, v, rpb, list(ks), list(dil),
+                                         shape[-1] ** -0.5 if scale is None else scale)
+    expected = neighborhood_attention(q, k, v, ks, dil, rpb, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for name, g, e in zip("qkvr", grads_of(out, inputs), grads_of(expected, inputs)):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize("use_rpb", [True, False], ids=["rpb", "norpb"])
+def test_the_custom_op_passes_opcheck(use_rpb):
+    """torch.library's own checks: schema, fake (meta) kernel against the real one's shapes and
+    strides, autograd registration, and AOT dispatch, on non-contiguous q, k, v as NAT's
+    qkv split gives them."""
+    q, k, v, rpb = make_inputs((1, 9, 10, 2, 4), (3, 3) if use_rpb else None,
+                               requires_grad=True)
+    qkv = torch.stack([q, k, v], 3).detach().requires_grad_()
+    args = (qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :], rpb, [3, 3], [1, 2], 0.5)
+    torch.library.opcheck(torch.ops.attnzoo.na_reference.default, args)
+
+
+# --------------------------------------------------------------------------------------------
 # low precision
 # --------------------------------------------------------------------------------------------
 

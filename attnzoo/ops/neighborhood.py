@@ -290,21 +290,9 @@ def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
     B, spatial, heads = q.shape[0], tuple(static_size(s) for s in q.shape[1:1 + n]), q.shape[-2]
     plan = _plan_constant(spatial, tuple(kernel_size), tuple(dilation), q.device, q.dtype)
 
-    # sizes written out, never -1: an empty batch must reshape too
     N = math.prod(spatial)
-
-    def tiled(x, index):  # [B, *spatial, heads, c] -> [B, heads * tiles, rows, c]
-        c = x.shape[-1]
-        rows = (N if index is None else index.numel()) // plan.tiles
-        x = x.reshape(B, N, heads, c).transpose(1, 2)
-        if index is None:  # tiles in natural order (a view when there is one tile)
-            return x.reshape(B, heads * plan.tiles, rows, c)
-        # Head-major first (one copy of the map), then one gather of the tile rows straight
-        # into SDPA's layout: key regions overlap, so this moves ~3x less than the reverse.
-        x = x.reshape(B * heads, N, c)
-        return _gather_rows(x, index).view(B, heads * plan.tiles, rows, c)
-
-    qt, kt, vt = tiled(q, plan.q_index), tiled(k, plan.k_index), tiled(v, plan.k_index)
+    qt, kt, vt = (_tiled(q, plan.q_index, plan, N), _tiled(k, plan.k_index, plan, N),
+                  _tiled(v, plan.k_index, plan, N))
     bias = _bias(plan, rpb, heads, q.dtype)
     if bias.requires_grad and q.device.type == "cpu":
         out = _cpu_attention_with_bias_grad(qt, kt, vt, bias, scale)
@@ -315,6 +303,32 @@ def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
         out = _gather_rows(out, plan.out_index)
     return out.view(B, heads, N, v.shape[-1]).transpose(1, 2).reshape(
         B, *spatial, heads, v.shape[-1])
+
+
+def _tiled(x: torch.Tensor, index: Optional[torch.Tensor], plan: _Plan, N: int) -> torch.Tensor:
+    """``[B, *spatial, heads, c]`` -> ``[B, heads * tiles, rows, c]``: each tile's query (or key
+    region) rows, at ``index`` of the map flattened to ``N`` positions. Sizes are written out,
+    never -1: an empty batch must reshape too."""
+    B, heads, c = x.shape[0], x.shape[-2], x.shape[-1]
+    rows = (N if index is None else index.numel()) // plan.tiles
+    x = x.reshape(B, N, heads, c).transpose(1, 2)
+    if index is None:  # tiles in natural order (a view when there is one tile)
+        return x.reshape(B, heads * plan.tiles, rows, c)
+    # Head-major first (one copy of the map), then one gather of the tile rows straight into
+    # SDPA's layout: key regions overlap, so this moves ~3x less than the reverse.
+    x = x.reshape(B * heads, N, c)
+    return _gather_rows(x, index).view(B, heads * plan.tiles, rows, c)
+
+
+def _untiled(g: torch.Tensor, index: Optional[torch.Tensor], like: torch.Tensor,
+             N: int) -> torch.Tensor:
+    """The transpose of :func:`_tiled` (its gradient): ``[B, heads * tiles, rows, c]`` rows
+    summed back into a map shaped like ``like``, ``[B, *spatial, heads, c]``."""
+    B, heads, c = like.shape[0], like.shape[-2], g.shape[-1]
+    g = g.reshape(B * heads, g.shape[1] // heads * g.shape[2], c)
+    if index is not None:
+        g = _scatter_rows(g, index, N)
+    return g.view(B, heads, N, c).transpose(1, 2).reshape(like.shape[:-1] + (c,))
 
 
 # glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh pages every time;
@@ -346,6 +360,117 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     G, M, r = x.shape
     flat = (torch.arange(G, device=index.device) * M).unsqueeze(1) + index.unsqueeze(0)
     return x.reshape(G * M, r).index_select(0, flat.reshape(-1)).view(G, index.numel(), r)
+
+
+def _scatter_rows(grad: torch.Tensor, index: torch.Tensor, M: int) -> torch.Tensor:
+    """The gradient of :func:`_gather_rows`: rows of ``grad [G, len(index), r]`` summed into
+    ``[G, M, r]`` at ``index`` (key regions overlap: a row can be read many times)."""
+    G, _, r = grad.shape
+    flat = (torch.arange(G, device=index.device) * M).unsqueeze(1) + index.unsqueeze(0)
+    return grad.new_zeros(G * M, r).index_add_(0, flat.reshape(-1), grad.reshape(-1, r)).view(
+        G, M, r)
+
+
+def na_reference_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
+                          rpb: Optional[torch.Tensor], scale: float):
+    """The gradients of :func:`na_reference` for ``grad`` of its output, written out: the
+    attention is recomputed from q, k and v (nothing is kept from the forward pass), then the
+    softmax's backward, and the gathers' and bias contraction's transposes. Returns (dq, dk, dv,
+    drpb), drpb None without rpb."""
+    n = len(kernel_size)
+    B, spatial, heads = q.shape[0], tuple(q.shape[1:1 + n]), q.shape[-2]
+    plan = _plan(spatial, tuple(kernel_size), tuple(dilation), q.device, q.dtype)
+    N = math.prod(spatial)
+    qt, kt, vt = (_tiled(q, plan.q_index, plan, N), _tiled(k, plan.k_index, plan, N),
+                  _tiled(v, plan.k_index, plan, N))
+    p = (torch.matmul(qt * scale, kt.transpose(-1, -2)) + _bias(plan, rpb, heads, q.dtype)
+         ).softmax(-1)
+    # the output's gather, transposed: padded queries' slots get no gradient
+    g = grad.reshape(B, N, heads, grad.shape[-1]).transpose(1, 2).reshape(
+        B * heads, N, grad.shape[-1])
+    if plan.out_index is not None:
+        g = _scatter_rows(g, plan.out_index, plan.tiles * plan.tq)
+    g = g.reshape(B, heads * plan.tiles, plan.tq, grad.shape[-1])
+    dv = _untiled(p.transpose(-1, -2) @ g, plan.k_index, v, N)
+    dp = g @ vt.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # the softmax's backward
+    dq = _untiled(ds @ kt * scale, plan.q_index, q, N)
+    dk = _untiled(ds.transpose(-1, -2) @ qt * scale, plan.k_index, k, N)
+    if rpb is None:
+        return dq, dk, dv, None
+    # the bias's contraction (see _bias), transposed onto rpb
+    dbias = ds.sum(0).reshape([heads] + [ax.shape[i] for i in range(1, 5) for ax in plan.onehot])
+    if n == 1:
+        drpb = torch.einsum("hgjtr,agjtr->ha", dbias, plan.onehot[0])
+    else:
+        drpb = torch.einsum("hgGjJtTrR,agjtr,bGJTR->hab", dbias, *plan.onehot)
+    return dq, dk, dv, drpb.to(rpb.dtype)
+
+
+# Under torch.compile with autograd, the reference runs as two custom ops, one opaque call each
+# way: AOT autograd and Inductor then never trace its gathers, bias contraction and softmax
+# backward (NAT's first compiled training step took 1.7x swin_tiny's). Autocast is off inside:
+# the op computes in the dtype autocast gave q, k and v.
+_NA_ARGS = "int[] kernel_size, int[] dilation, float scale"
+
+
+def _na_op_forward(q, k, v, rpb, kernel_size, dilation, scale):
+    with torch.autocast(q.device.type, enabled=False):
+        out = na_reference(q, k, v, tuple(kernel_size), tuple(dilation), rpb, scale)
+    return out.contiguous()  # the fake's layout
+
+
+def _na_op_backward(grad, q, k, v, rpb, kernel_size, dilation, scale):
+    with torch.autocast(q.device.type, enabled=False):
+        dq, dk, dv, drpb = na_reference_backward(grad, q, k, v, tuple(kernel_size),
+                                                 tuple(dilation), rpb, scale)
+    # a custom op returns no None: without rpb, an empty tensor stands for its gradient
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), (
+        q.new_empty(0) if drpb is None else drpb)
+
+
+_na_op = torch.library.custom_op(
+    "attnzoo::na_reference", _na_op_forward, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? rpb, {_NA_ARGS}) -> Tensor")
+_na_backward_op = torch.library.custom_op(
+    "attnzoo::na_reference_backward", _na_op_backward, mutates_args=(),
+    schema=f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? rpb, {_NA_ARGS}) "
+           "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@_na_op.register_fake
+def _(q, k, v, rpb, kernel_size, dilation, scale):
+    return v.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@_na_backward_op.register_fake
+def _(grad, q, k, v, rpb, kernel_size, dilation, scale):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(0) if rpb is None else rpb.new_empty(rpb.shape))
+
+
+def _na_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+    ctx.args = inputs[4:]
+
+
+def _na_autograd(ctx, grad):
+    dq, dk, dv, drpb = _na_backward_op(grad, *ctx.saved_tensors, *ctx.args)
+    return (dq, dk, dv, None if ctx.saved_tensors[3] is None else drpb) + (None,) * 3
+
+
+_na_op.register_autograd(_na_autograd, setup_context=_na_setup)
+
+
+def _na_torch(q, k, v, kernel_size, dilation, rpb, scale):
+    """The torch backend: the reference, traced by torch.compile for inference (Inductor fuses
+    it), one custom op each way when a compiled call needs gradients."""
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():
+        for size in q.shape[1:1 + len(kernel_size)]:  # the map size specializes, as traced
+            static_size(size)
+        return _na_op(q, k, v, rpb, list(kernel_size), list(dilation), float(scale))
+    return na_reference(q, k, v, kernel_size, dilation, rpb, scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -652,7 +777,7 @@ def _cases(n: int):
 for _n in (1, 2):
     backends.register_op(
         f"na{_n}d", key_type=NACall, macs=_na_macs, examples=_examples(_n), cases=_cases(_n),
-        export=na_export, backends={"torch": backends.Backend(na_reference),
+        export=na_export, backends={"torch": backends.Backend(_na_torch),
                   "natten": backends.Backend(_na_natten, _natten_support,
                                              limits=_natten_limits),
                   "cuda": backends.Backend(_na_cuda, _cuda_support, _kernels_trusted,
@@ -999,4 +1124,3 @@ def na1d_av(attn: torch.Tensor, v: torch.Tensor, *, kernel_size: IntOrTuple,
             dilation: IntOrTuple = 1, backend: Optional[str] = None) -> torch.Tensor:
     """1-D :func:`na2d_av`: ``[B, L, heads, K]`` weights and ``[B, L, heads, d_v]`` values."""
     return _na_av(1, attn, v, kernel_size, dilation, backend)
-
