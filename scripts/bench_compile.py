@@ -113,7 +113,10 @@ def _child(args: argparse.Namespace, name: str, mode: str) -> Dict[str, Any]:
 
 def table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
     anchor = {r["mode"]: r["first_s"] for r in rows if r["model"] == ANCHOR}
-    lines = [f"`python scripts/bench_compile.py --size {args.size} --size2 {args.size2} "
+    picked = "".join(f" --{flag} {' '.join(value)}" for flag, value, default in (
+        ("modes", args.modes, ["infer", "train"]), ("models", args.models, list(MODELS)))
+        if value != default)
+    lines = [f"`python scripts/bench_compile.py{picked} --size {args.size} --size2 {args.size2} "
              f"--threads {args.threads}`: CPU, batch 1, one process and an empty Inductor "
              "cache per model and mode; seconds of the first compiled call beyond an eager "
              f"call; ratio: over {ANCHOR}'s in the same run (issue 36's limit: {LIMIT}x).", "",

@@ -58,6 +58,38 @@ def test_a_second_map_size_recompiles_once_without_a_graph_break():
             assert len(graphs) == total, (size, len(graphs))
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14),
+    reason=f"torch {torch.__version__}'s Dynamo: checked on 2.14; 2.4's does not specialize a "
+           "traced size")
+def test_a_compiled_training_step_specializes_on_the_image_size():
+    """Inductor (torch 2.14) fails to compile a training step of NAT, QnA-ViT or SAN at a
+    symbolic image size, where timm's ResNet compiles: with autograd the models specialize on
+    the image size (a new size compiles a new graph with static sizes); inference keeps the
+    symbolic sizes Dynamo gives a second size."""
+    import tiny_models
+    model = tiny_models.san(**tiny_models.SAN_TWO_STAGES)
+    symbolic = []
+
+    def recording(gm, example_inputs):
+        symbolic.append(sum(isinstance(n.meta.get("example_value"), torch.SymInt)
+                            for n in gm.graph.nodes if n.op == "placeholder"))
+        return gm.forward
+
+    compiled = torch.compile(model.train(), backend=recording, fullgraph=True)
+    for size, graphs in ((32, 1), (40, 2), (32, 2), (48, 3)):
+        compiled(torch.randn(1, 3, size, size)).square().sum().backward()
+        assert len(symbolic) == graphs, size
+    assert symbolic == [0, 0, 0]
+    torch._dynamo.reset()
+    symbolic.clear()
+    compiled = torch.compile(model.eval(), backend=recording, fullgraph=True)
+    with torch.no_grad():
+        for size in (32, 40):
+            compiled(torch.randn(1, 3, size, size))
+    assert symbolic[0] == 0 and symbolic[1] > 0, symbolic
+
+
 def test_fullgraph_autocast_bf16_with_drop_path():
     model = nat(NAT_SHALLOW, drop_path_rate=0.2).train()  # per-block drop-path rates: no recompiles
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)

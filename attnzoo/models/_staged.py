@@ -22,6 +22,8 @@ from timm.layers import ClassifierHead, get_device_dtype
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint_seq
 
+from .. import backends
+from ..ops.neighborhood import static_size
 from ._helpers import build_model, check_image_input
 
 __all__ = ["StagedModel", "Stage", "build_staged", "staged_cfg"]
@@ -174,7 +176,7 @@ class StagedModel(nn.Module):
         assert output_fmt in ('NCHW', 'NHWC'), 'Output format must be NCHW or NHWC.'
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
-        x = check_image_input(x, self.in_chans, self.min_size, self.min_size_hint)
+        x = self._check_input(x)
         x = self.stem(x)
         last_idx = len(self.stages) - 1
         if torch.jit.is_scripting() or not stop_early:  # can't slice modules in torchscript
@@ -217,9 +219,21 @@ class StagedModel(nn.Module):
         """Called at the end of :meth:`prune_intermediate_layers`: where the model's
         minimum input depends on its stages, a subclass updates ``min_size`` here."""
 
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        x = check_image_input(x, self.in_chans, self.min_size, self.min_size_hint)
+        if not torch.jit.is_scripting() and torch.compiler.is_compiling() and (
+                torch.is_grad_enabled() and not backends.exporting()):
+            # Inductor (torch 2.14) fails to compile these models' training step at a symbolic
+            # image size (a relation of sizes it cannot decide), where timm's ResNet does not:
+            # a compiled training step specializes on the image size instead, one graph per
+            # size, as with dynamic=False.
+            static_size(x.shape[-2])
+            static_size(x.shape[-1])
+        return x
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Final normalised feature map, NCHW and unpooled."""
-        x = check_image_input(x, self.in_chans, self.min_size, self.min_size_hint)
+        x = self._check_input(x)
         x = self.stem(x)
         x = self.stages(x)
         x = self.norm(x)
