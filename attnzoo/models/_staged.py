@@ -221,14 +221,15 @@ class StagedModel(nn.Module):
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         x = check_image_input(x, self.in_chans, self.min_size, self.min_size_hint)
-        if not torch.jit.is_scripting() and torch.compiler.is_compiling() and (
-                torch.is_grad_enabled() and not backends.exporting()):
-            # Inductor (torch 2.14) fails to compile these models' training step at a symbolic
-            # image size (a relation of sizes it cannot decide), where timm's ResNet does not:
-            # a compiled training step specializes on the image size instead, one graph per
-            # size, as with dynamic=False.
-            static_size(x.shape[-2])
-            static_size(x.shape[-1])
+        if not torch.jit.is_scripting():  # alone in its test: TorchScript 2.4 skips only that
+            if torch.compiler.is_compiling() and torch.is_grad_enabled() and (
+                    not backends.exporting()):
+                # Inductor (torch 2.14) fails to compile these models' training step at a
+                # symbolic image size (a relation of sizes it cannot decide), where timm's
+                # ResNet does not: a compiled training step specializes on the image size
+                # instead, one graph per size, as with dynamic=False.
+                static_size(x.shape[-2])
+                static_size(x.shape[-1])
         return x
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
