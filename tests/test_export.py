@@ -118,6 +118,28 @@ def test_na_export_formula_equals_the_brute_force_oracle():
                                    neighborhood_attention(q, k, v, 3, 2, rpb, scale))
 
 
+# (layer arguments, map size): padded or not, with and without rpb, dilated, QUEST's unit keys,
+# a map smaller than the window in one axis and in both
+@pytest.mark.parametrize("kwargs, size", [
+    (dict(kernel_size=3), (5, 7)),
+    (dict(kernel_size=3, dilation=2, rel_pos_bias=False), (9, 4)),
+    (dict(kernel_size=5, attn_norm="quest"), (6, 8)),
+    (dict(kernel_size=3, dilation=2), (2, 3)),
+], ids=["k3", "k3-d2-no-rpb-narrow", "k5-quest", "k3-d2-tiny"])
+def test_na_layer_s_export_path_on_rows_equals_its_forward(kwargs, size):
+    """NeighborhoodAttention2d.forward_rows (what an export runs, on the map's rows, q, k and v
+    gathered from the one qkv tensor, the padding as one token) against the layer's forward."""
+    from attnzoo.layers import NeighborhoodAttention2d
+
+    torch.manual_seed(0)
+    layer = NeighborhoodAttention2d(16, 2, **kwargs).double().eval()
+    if layer.rpb is not None:
+        torch.nn.init.normal_(layer.rpb)  # rpb's init is small: a wrong row would hide
+    x = torch.randn(2, *size, 16, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.export_forward(x), layer(x))
+
+
 class _EveryOp(torch.nn.Module):
     """One call of each op family, on small maps derived from one input."""
 

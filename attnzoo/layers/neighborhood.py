@@ -27,7 +27,7 @@ from timm.models import register_notrace_function
 
 from .. import backends
 from ..ops import na2d, na2d_qk, na_window_positions
-from ..ops.neighborhood import na_export_flat
+from ..ops.neighborhood import na_export_rows
 from .attention_map import AttentionMap
 from .quest import check_attn_norm, l2_normalize
 
@@ -173,26 +173,32 @@ class NeighborhoodAttention2d(nn.Module):
         return AttentionMap(weights[:, :H, :W], ("batch", "y", "x", "head", "key"),
                             keys[:H, :W], (H, W))
 
-    def export_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` while exporting: NA's export formula on the flattened map, with, where
-        the map may be smaller than the window (any traced size), one zero token in front that
-        stands for the padding (:func:`attnzoo.ops.neighborhood.na_export_flat`): no shape of
-        the graph holds the padded size (its max() made torch.export and the dynamo exporter's
-        decompositions seconds slower per model)."""
-        B, H, W, C = x.shape
+    def forward_rows(self, x: torch.Tensor, layout: Tuple[int, int, int]) -> torch.Tensor:
+        """``forward`` while exporting, on the map's rows ``[B * H * W, dim]`` (``layout``:
+        ``(B, H, W)``; a stage's blocks run on rows while exporting: 2-D tensors cost the
+        exporter less symbolic-shape work than maps). NA's export formula
+        (:func:`attnzoo.ops.neighborhood.na_export_rows`) on the qkv projection's rows; where
+        the map may be smaller than the window (any traced size), one zero token in front
+        stands for the padding: no shape of the graph holds the padded size."""
+        B, H, W = layout
         small = not (isinstance(H, int) and isinstance(W, int)) or min(H, W) < self.window
         padded = small or torch.jit.is_tracing()
-        x = x.reshape(B, -1, C)
+        x = x.reshape(B, -1, x.shape[-1])
         if padded:
-            x = torch.cat([x.new_zeros(1, 1, C).expand(B, 1, C), x], 1)
-        qkv = self.qkv(x).reshape(B, -1, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.select(2, 0), qkv.select(2, 1), qkv.select(2, 2)
-        if self.attn_norm == "quest":
-            k = l2_normalize(k)
-        q = (q[:, 1:] if padded else q).unsqueeze(2)
+            x = F.pad(x, (0, 0, 1, 0))
+        # rows 3t, 3t + 1, 3t + 2: token t's q, k and v (the qkv projection's own order)
+        qkv = self.qkv(x).reshape(B, -1, 1, self.num_heads, self.head_dim)
+        if self.attn_norm == "quest":  # unit keys, before the gather copies them
+            q, k, v = qkv.reshape(B, -1, 3, self.num_heads, self.head_dim).unbind(2)
+            qkv = torch.stack([q, l2_normalize(k), v], 2).reshape(qkv.shape)
         ks, dil = (self.kernel_size,) * 2, (self.dilation,) * 2
-        x = na_export_flat(q, k, v, (H, W), ks, dil, self.rpb, self.scale, padded)
-        return self.proj_drop(self.proj(x.reshape(B, H, W, C)))
+        x = na_export_rows(qkv, (H, W), ks, dil, self.rpb, self.scale, padded)
+        return self.proj_drop(self.proj(x.reshape(-1, self.dim)))
+
+    def export_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` while exporting: :meth:`forward_rows` on ``x``'s rows."""
+        B, H, W, C = x.shape
+        return self.forward_rows(x.reshape(-1, C), (B, H, W)).reshape(B, H, W, C)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (is_scripting() first: TorchScript compiles neither the check nor the export branch)

@@ -41,7 +41,24 @@ class Stage(nn.Module):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting():
             return checkpoint_seq(self.blocks, x)
+        # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
+        if not torch.jit.is_scripting():
+            if backends.exporting() and not self.training \
+                    and all(hasattr(block, "forward_rows") for block in self.blocks):
+                return self.blocks_on_rows(x)
         return self.blocks(x)
+
+    def blocks_on_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks on NHWC ``x``'s rows ``[B * H * W, C]`` (each block's ``forward_rows(rows,
+        (B, H, W))``), while exporting: the exporters' symbolic-shape work per node, in
+        torch.export, its decompositions and the translation, grows with the symbolic dims of
+        each tensor, and a map's four (three of them symbolic) made the blocks of NAT cost a
+        quarter more export time than their rows (BENCHMARKS.md "ONNX export")."""
+        B, H, W = x.shape[0], x.shape[1], x.shape[2]
+        rows = x.reshape(-1, x.shape[3])
+        for block in self.blocks:
+            rows = block.forward_rows(rows, (B, H, W))
+        return rows.reshape(B, H, W, rows.shape[-1])
 
 
 def build_staged(model_cls: type, variant: str, pretrained: bool, num_stages: int,

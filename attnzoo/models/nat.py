@@ -124,6 +124,12 @@ class NATBlock(nn.Module):
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
 
+    def forward_rows(self, x: torch.Tensor, layout: Tuple[int, int, int]) -> torch.Tensor:
+        """``forward`` on the map's rows while exporting (:meth:`Stage.blocks_on_rows`)."""
+        x = x + self.drop_path1(self.ls1(self.attn.forward_rows(self.norm1(x), layout)))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
 
 class NATStage(Stage):
     """``downsample`` (identity in stage 0), then ``blocks`` on NHWC; takes and returns NCHW, so

@@ -77,7 +77,7 @@ def pad_same(x: torch.Tensor, patch_size: int) -> torch.Tensor:
     pads: List[int] = []
     for n in (x.shape[3], x.shape[2]):
         # the padded size as one ceil division: a traced size's later expressions stay simple
-        total = (n + patch_size - 1) // patch_size * patch_size - n
+        total = ((n - 1) // patch_size + 1) * patch_size - n
         pads += [total // 2, total - total // 2]
     # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
     if not torch.jit.is_scripting():

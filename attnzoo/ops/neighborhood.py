@@ -526,56 +526,120 @@ def _neighbourhood(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, .
     return key.reshape(-1), rel.reshape(-1)
 
 
+class _Rows(NamedTuple):
+    """The rows an NA export graph gathers (:func:`_na_rows`)."""
+    q: torch.Tensor               # [N]: each query's row
+    k: torch.Tensor               # [N * K**n]: each query's keys' rows, query-major
+    v: torch.Tensor               # [N * K**n]: the same keys' value rows
+    bias: Optional[torch.Tensor]  # [N, K**n, heads, 1]: each logit's entry of the flat rpb
+
+
+_PADDING = -2 ** 40  # an axis term of a key in the padding: every sum with it stays below 0
+
+
+def _na_rows(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
+             device: torch.device, padded: bool, stride: int, heads: int) -> _Rows:
+    """Where every query of the row-major flattened map finds itself, its ``K**n`` keys and
+    values, and their relative biases, from the axes' :func:`_axis_neighbours`: the index
+    tensors of :func:`na_export_rows`, tensor ops of the sizes only (an exported graph derives
+    them from the input's shape).
+
+    Token ``t`` owns rows ``stride * t`` on: q, k, v with ``stride`` 3 (one tensor holds the
+    three), the same row of three tensors with ``stride`` 1. ``padded``: each axis is taken as
+    zero-padded at its end to at least ``K * d``, token 0 stands for the padding (every key in
+    it reads token 0) and the map's tokens follow. ``heads``: the bias rows' heads (0: none)."""
+    n, shift = len(spatial), int(padded)
+    k_off, v_off = (1, 2) if stride == 3 else (0, 0)
+    keys = bias = None
+    key_step, table_step = stride, 1
+    for a in reversed(range(n)):  # row-major: the last axis varies fastest
+        L, K, d = spatial[a], kernel_size[a], dilation[a]
+        key_a, rel_a = _axis_neighbours(L, K, d, device, K * d if padded else 0)  # [L, K]
+        term = key_a * key_step
+        if padded:
+            term = torch.where(key_a < L, term, _PADDING)
+        terms = [term, rel_a * table_step if table_step > 1 else rel_a] if heads else [term]
+        for _ in range(n - 1 - a):  # [L, K] -> [L, 1 * (n - 1), K, 1 * (n - 1 - a)]
+            terms = [t.unsqueeze(-1) for t in terms]
+        for _ in range(n - 1):
+            terms = [t.unsqueeze(1) for t in terms]
+        keys = terms[0] if keys is None else keys + terms[0]
+        if heads:
+            bias = terms[1] if bias is None else bias + terms[1]
+        key_step, table_step = key_step * L, table_step * (2 * K - 1)
+    k = keys + (stride * shift + k_off)
+    if padded:  # a key in the padding: token 0's row
+        k = torch.clamp(k, min=k_off)
+    k = k.reshape(-1)
+    v = k if v_off == k_off else k + (v_off - k_off)
+    q = torch.arange(stride * shift, stride * (math.prod(spatial) + shift), stride,
+                     device=device)
+    if heads:
+        taps = math.prod(kernel_size)
+        bias = bias.reshape(-1, taps, 1, 1) \
+            + torch.arange(0, heads * table_step, table_step, device=device).reshape(heads, 1)
+    return _Rows(q, k, v, bias)
+
+
+def _na_export_core(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: _Rows,
+                    taps: int, rpb: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """NA's export formula: ``q [B, N, 1, heads, c]``, keys and values gathered by one
+    ``index_select`` each from the rows ``[B, M, 1, heads, c]`` (``K**n`` copies, which
+    inference affords), one softmax over each query's keys; returns ``[B, N, heads, c_v]``."""
+    B, heads = q.shape[0], q.shape[-2]
+    k = k_rows.index_select(1, rows.k).reshape(B, -1, taps, heads, k_rows.shape[-1])
+    logits = ((q * scale if scale != 1 else q) * k).sum(-1, keepdim=True)  # [B,N,K**n,heads,1]
+    if rpb is not None:
+        bias = rpb.reshape(-1)[rows.bias]
+        logits = logits + (bias if bias.dtype == logits.dtype else bias.to(logits.dtype))
+    p = logits.softmax(2)
+    v = v_rows.index_select(1, rows.v).reshape(B, -1, taps, heads, v_rows.shape[-1])
+    return (p * v).sum(2)
+
+
+def na_export_rows(qkv: torch.Tensor, spatial, kernel_size: Tuple[int, ...],
+                   dilation: Tuple[int, ...], rpb: Optional[torch.Tensor], scale: float,
+                   padded: bool) -> torch.Tensor:
+    """NA's export formula on one tensor of rows ``qkv [B, 3 * T, 1, heads, c]`` (rows
+    ``3t, 3t + 1, 3t + 2``: token ``t``'s q, k and v; as a qkv projection's output reshapes),
+    over the map of sizes ``spatial`` flattened row-major; returns ``[B, N, heads, c]``.
+
+    ``padded``: each axis is taken as zero-padded at its end to at least ``K * d`` (as
+    ``NeighborhoodAttention2d`` pads small inputs), and token 0 is the padding's, which every
+    key in the padding reads: no shape holds the padded size (a max() of the size, which made
+    every later shape's symbolic work slower)."""
+    heads = qkv.shape[-2] if rpb is not None else 0  # the bias rows' heads
+    rows = backends.export_memo(("na", *spatial, kernel_size, dilation, padded, 3, heads,
+                                 qkv.device), qkv, _na_rows, spatial, kernel_size, dilation,
+                                qkv.device, padded, 3, heads)
+    return _na_export_core(qkv.index_select(1, rows.q), qkv, qkv, rows,
+                           math.prod(kernel_size), rpb, scale)
+
+
 def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
               dilation: Tuple[int, ...], rpb: Optional[torch.Tensor],
               scale: float) -> torch.Tensor:
     """NA as an export graph, one per axis count whatever the input size and kernel: each
     axis's window indices are computed from the input's shape and combined into one index of
-    every query's ``K**n`` keys in the flattened map (:func:`_neighbourhood`, once per size and
+    every query's ``K**n`` keys in the flattened map (:func:`_na_rows`, once per size and
     kernel in a torch.export trace: :func:`attnzoo.backends.export_memo`); keys and values are
-    gathered by one ``index_select`` each (``K**n`` copies of k and v, which inference affords)
-    and the softmax runs over each query's keys (:func:`na_export_flat`).
+    gathered by one ``index_select`` each and the softmax runs over each query's keys.
 
     Its node count is what the dynamo exporter's time follows: every node costs symbolic-shape
-    work in torch.export and its decompositions, and onnxscript's optimizer matches patterns
-    in time quadratic in the graph's nodes (BENCHMARKS.md "ONNX export"). Hence the shared
-    index, one gather per tensor rather than one per axis, unsqueeze rather than reshape where
-    the sizes come from the input, one size from the input (the batch) in every reshape but
-    the last, and no cast to the dtype a tensor already has (it would be two nodes)."""
+    work in torch.export and its decompositions, and again in the translation and onnxscript's
+    optimizer (BENCHMARKS.md "ONNX export"). Hence the shared index, one gather per tensor,
+    unsqueeze rather than reshape where the sizes come from the input, and no cast to the dtype
+    a tensor already has (it would be two nodes)."""
     n = len(kernel_size)
     B, spatial, heads = q.shape[0], q.shape[1:1 + n], q.shape[-2]
-    kf, vf = (x.reshape(B, -1, heads, x.shape[-1]) for x in (k, v))
-    out = na_export_flat(q.reshape(B, -1, 1, heads, q.shape[-1]), kf, vf, spatial, kernel_size,
-                         dilation, rpb, scale, False)
+    bias_heads = heads if rpb is not None else 0
+    rows = backends.export_memo(("na", *spatial, kernel_size, dilation, False, 1, bias_heads,
+                                 q.device), q, _na_rows, spatial, kernel_size, dilation,
+                                q.device, False, 1, bias_heads)
+    k_rows, v_rows = (x.reshape(B, -1, 1, heads, x.shape[-1]) for x in (k, v))
+    out = _na_export_core(q.reshape(B, -1, 1, heads, q.shape[-1]), k_rows, v_rows, rows,
+                          math.prod(kernel_size), rpb, scale)
     return out.reshape_as(v)  # v's shape (the TorchScript exporter reads it in two nodes)
-
-
-def na_export_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spatial,
-                   kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
-                   rpb: Optional[torch.Tensor], scale: float, padded: bool) -> torch.Tensor:
-    """:func:`na_export` on flattened maps: ``q [B, N, 1, heads, c]``, ``k, v [B, N, heads, c]``
-    (``N`` the product of the sizes ``spatial``), returns ``[B, N, heads, c]``.
-
-    ``padded``: each axis is taken as zero-padded at its end to at least ``K * d`` (as
-    ``NeighborhoodAttention2d`` pads small inputs), and ``k, v`` are ``[B, 1 + N, heads, c]``,
-    the padding's token first, which every key in the padding reads: no shape holds the padded
-    size (a max() of the size, which made every later shape's symbolic work slower)."""
-    B, heads = q.shape[0], q.shape[-2]
-    key, rel = backends.export_memo(("na", *spatial, kernel_size, dilation, padded, q.device),
-                                    q, _neighbourhood, spatial, kernel_size, dilation, q.device,
-                                    padded)
-    taps = math.prod(kernel_size)
-
-    def windows(x):  # [B, N, heads, c] -> [B, N, K**n, heads, c]
-        return x.index_select(1, key).reshape(B, -1, taps, heads, x.shape[-1])
-
-    logits = ((q * scale) * windows(k)).sum(-1)                     # [B, N, K**n, heads]
-    if rpb is not None:
-        bias = rpb.reshape(heads, -1).index_select(1, rel).reshape(heads, -1, taps)
-        bias = bias if bias.dtype == logits.dtype else bias.to(logits.dtype)
-        logits = logits + bias.permute(1, 2, 0)
-    p = logits.softmax(2)
-    return (p.unsqueeze(-1) * windows(v)).sum(2)                   # [B, N, heads, c]
 
 
 # --------------------------------------------------------------------------------------------
