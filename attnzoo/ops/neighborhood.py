@@ -502,27 +502,19 @@ def _axis_neighbours(L, K: int, d: int, device: torch.device, window: int = 0
 
 
 def _neighbourhood(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
-                   device: torch.device, padded: bool = False
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+                   device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every query's ``K**n`` keys as positions in the row-major flattened map, and their rows
-    of the row-major rpb table, ``[N * K**n]`` each, from the axes' :func:`_axis_neighbours`.
-    ``padded``: each axis is padded to at least ``K * d`` (``NeighborhoodAttention2d``'s small
-    inputs); then the positions are shifted by one, and 0 is every key in the padding."""
-    key = rel = valid = None
+    of the row-major rpb table, ``[N * K**n]`` each, from the axes' :func:`_axis_neighbours`."""
+    key = rel = None
     for a, (L, K, d) in enumerate(zip(spatial, kernel_size, dilation)):
-        key_a, rel_a = _axis_neighbours(L, K, d, device, K * d if padded else 0)  # [L_a, K_a]
+        key_a, rel_a = _axis_neighbours(L, K, d, device)  # [L_a, K_a]
         for _ in range(a):  # -> [1, .., L_a, 1, .., K_a]: after the earlier axes' dims
             key_a, rel_a = key_a.unsqueeze(0).unsqueeze(-2), rel_a.unsqueeze(0).unsqueeze(-2)
-        valid_a = key_a < L if padded else None
         if key is None:
-            key, rel, valid = key_a, rel_a, valid_a
+            key, rel = key_a, rel_a
         else:
             key = key.unsqueeze(a).unsqueeze(-1) * L + key_a
             rel = rel.unsqueeze(a).unsqueeze(-1) * (2 * K - 1) + rel_a
-            if padded:
-                valid = valid.unsqueeze(a).unsqueeze(-1) & valid_a
-    if padded:
-        key = torch.where(valid, key + 1, 0)
     return key.reshape(-1), rel.reshape(-1)
 
 
@@ -581,6 +573,15 @@ def _na_rows(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
     return _Rows(q, k, v, bias)
 
 
+def _shared_rows(like: torch.Tensor, spatial, kernel_size: Tuple[int, ...],
+                 dilation: Tuple[int, ...], padded: bool, stride: int, heads: int) -> _Rows:
+    """:func:`_na_rows` once per torch.export trace and geometry
+    (:func:`attnzoo.backends.export_memo`): a stage's blocks share them."""
+    return backends.export_memo(("na", *spatial, kernel_size, dilation, padded, stride, heads,
+                                 like.device), like, _na_rows, spatial, kernel_size, dilation,
+                                like.device, padded, stride, heads)
+
+
 def _na_export_core(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: _Rows,
                     taps: int, rpb: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """NA's export formula: ``q [B, N, 1, heads, c]``, keys and values gathered by one
@@ -608,10 +609,8 @@ def na_export_rows(qkv: torch.Tensor, spatial, kernel_size: Tuple[int, ...],
     ``NeighborhoodAttention2d`` pads small inputs), and token 0 is the padding's, which every
     key in the padding reads: no shape holds the padded size (a max() of the size, which made
     every later shape's symbolic work slower)."""
-    heads = qkv.shape[-2] if rpb is not None else 0  # the bias rows' heads
-    rows = backends.export_memo(("na", *spatial, kernel_size, dilation, padded, 3, heads,
-                                 qkv.device), qkv, _na_rows, spatial, kernel_size, dilation,
-                                qkv.device, padded, 3, heads)
+    rows = _shared_rows(qkv, spatial, kernel_size, dilation, padded, 3,
+                        qkv.shape[-2] if rpb is not None else 0)
     return _na_export_core(qkv.index_select(1, rows.q), qkv, qkv, rows,
                            math.prod(kernel_size), rpb, scale)
 
@@ -632,10 +631,8 @@ def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tu
     a tensor already has (it would be two nodes)."""
     n = len(kernel_size)
     B, spatial, heads = q.shape[0], q.shape[1:1 + n], q.shape[-2]
-    bias_heads = heads if rpb is not None else 0
-    rows = backends.export_memo(("na", *spatial, kernel_size, dilation, False, 1, bias_heads,
-                                 q.device), q, _na_rows, spatial, kernel_size, dilation,
-                                q.device, False, 1, bias_heads)
+    rows = _shared_rows(q, spatial, kernel_size, dilation, False, 1,
+                        heads if rpb is not None else 0)
     k_rows, v_rows = (x.reshape(B, -1, 1, heads, x.shape[-1]) for x in (k, v))
     out = _na_export_core(q.reshape(B, -1, 1, heads, q.shape[-1]), k_rows, v_rows, rows,
                           math.prod(kernel_size), rpb, scale)

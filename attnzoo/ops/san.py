@@ -155,7 +155,9 @@ def _pad(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
 def _centre(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     """``x`` at every output position's centre tap, ``[N, C, 1, L]``."""
     sh, sw = fp.stride
-    centre = x[:, :, ::sh, ::sw]
+    # no slice at stride 1: an exported graph would keep it (two slice nodes, each some ten
+    # ONNX nodes of shape arithmetic before the optimizer folds them)
+    centre = x if sh == sw == 1 else x[:, :, ::sh, ::sw]
     return centre.reshape(x.shape[0], x.shape[1], 1, centre.shape[-2] * centre.shape[-1])
 
 
