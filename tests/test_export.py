@@ -234,6 +234,20 @@ def test_a_torch_export_trace_builds_each_stage_s_indices_once(family):
         assert masked == 0 < op_count(programs[deep], torch.ops.aten.masked_fill.Scalar)
 
 
+def test_nat_s_blocks_run_on_the_map_s_rows_in_a_torch_export_trace():
+    """Stage.blocks_on_rows: while exporting, every norm of NAT's blocks takes the map's rows
+    [B*H*W, C] (2-D tensors: less symbolic-shape work per node than [B, H, W, C] maps), and
+    the stem's and downsamplers' norms keep their maps."""
+    if _dynamo_skip_reason():
+        pytest.skip(_dynamo_skip_reason())
+    model = tiny_models.nat(depths=(1, 2, 1, 1), dilations=((1,), (1, 2), (1,), (1,)))
+    program = _torch_export(model, torch.randn(2, 3, 64, 64), True)
+    dims = [node.meta["val"].dim() for node in program.graph.nodes
+            if node.target == torch.ops.aten.layer_norm.default]
+    blocks = sum(len(stage.blocks) for stage in model.stages)
+    assert dims.count(2) == 2 * blocks and set(dims) == {2, 4}, dims
+
+
 def test_export_memo_shares_only_within_a_torch_export_trace():
     calls = []
 

@@ -523,7 +523,7 @@ class _Rows(NamedTuple):
     q: torch.Tensor               # [N]: each query's row
     k: torch.Tensor               # [N * K**n]: each query's keys' rows, query-major
     v: torch.Tensor               # [N * K**n]: the same keys' value rows
-    bias: Optional[torch.Tensor]  # [N, K**n, heads, 1]: each logit's entry of the flat rpb
+    bias: Optional[torch.Tensor]  # [N, K**n, heads]: each logit's entry of the flat rpb
 
 
 _PADDING = -2 ** 40  # an axis term of a key in the padding: every sum with it stays below 0
@@ -568,8 +568,8 @@ def _na_rows(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
                      device=device)
     if heads:
         taps = math.prod(kernel_size)
-        bias = bias.reshape(-1, taps, 1, 1) \
-            + torch.arange(0, heads * table_step, table_step, device=device).reshape(heads, 1)
+        bias = bias.reshape(-1, taps, 1) \
+            + torch.arange(0, heads * table_step, table_step, device=device)
     return _Rows(q, k, v, bias)
 
 
@@ -589,11 +589,13 @@ def _na_export_core(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
     inference affords), one softmax over each query's keys; returns ``[B, N, heads, c_v]``."""
     B, heads = q.shape[0], q.shape[-2]
     k = k_rows.index_select(1, rows.k).reshape(B, -1, taps, heads, k_rows.shape[-1])
-    logits = ((q * scale if scale != 1 else q) * k).sum(-1, keepdim=True)  # [B,N,K**n,heads,1]
+    logits = ((q * scale if scale != 1 else q) * k).sum(-1)         # [B, N, K**n, heads]
     if rpb is not None:
         bias = rpb.reshape(-1)[rows.bias]
         logits = logits + (bias if bias.dtype == logits.dtype else bias.to(logits.dtype))
-    p = logits.softmax(2)
+    # the softmax before the unsqueeze: onnxruntime's Softmax over a dim that is not the last
+    # ran 6x slower on [B, N, K**n, heads, 1] than on [B, N, K**n, heads]
+    p = logits.softmax(2).unsqueeze(-1)
     v = v_rows.index_select(1, rows.v).reshape(B, -1, taps, heads, v_rows.shape[-1])
     return (p * v).sum(2)
 
