@@ -248,6 +248,24 @@ def test_nat_s_blocks_run_on_the_map_s_rows_in_a_torch_export_trace():
     assert dims.count(2) == 2 * blocks and set(dims) == {2, 4}, dims
 
 
+def test_qna_vit_s_traced_sizes_are_one_division_of_the_input_size():
+    """QnA-ViT's stem pads to ((n - 1) // 4 + 1) * 4, a strided conv's own form: every size of
+    a dynamic-size trace is then one division of the input's, (s - 1) // 2**i + 1, where
+    (n + 3) // 4 nested divisions that sympy does not merge (every later shape carried them,
+    and the dynamo export took 77 s instead of 50)."""
+    if _dynamo_skip_reason():
+        pytest.skip(_dynamo_skip_reason())
+    model = tiny_models.qna_vit(qna_depths=(0, 0, 0, 0), lsa_depths=(0, 0, 0, 0))
+    program = _torch_export(model, torch.randn(2, 3, 64, 64), True)
+    from torch.utils._sympy.functions import FloorDiv
+
+    sizes = {size.node.expr for node in program.graph.nodes
+             if isinstance(node.meta.get("val"), torch.Tensor)
+             for size in node.meta["val"].shape if isinstance(size, torch.SymInt)}
+    divisions = [d for size in sizes for d in size.atoms(FloorDiv)]
+    assert divisions and not [d for d in divisions if d.args[0].has(FloorDiv)], sizes
+
+
 def test_export_memo_shares_only_within_a_torch_export_trace():
     calls = []
 

@@ -52,8 +52,8 @@ class Stage(nn.Module):
         """The blocks on NHWC ``x``'s rows ``[B * H * W, C]`` (each block's ``forward_rows(rows,
         (B, H, W))``), while exporting: the exporters' symbolic-shape work per node, in
         torch.export, its decompositions and the translation, grows with the symbolic dims of
-        each tensor, and a map's four (three of them symbolic) made the blocks of NAT cost a
-        quarter more export time than their rows (BENCHMARKS.md "ONNX export")."""
+        each tensor: nat_mini's dynamo export took 40 s with its blocks on maps, 30 s on rows
+        (BENCHMARKS.md "ONNX export")."""
         B, H, W = x.shape[0], x.shape[1], x.shape[2]
         rows = x.reshape(-1, x.shape[3])
         for block in self.blocks:

@@ -76,7 +76,9 @@ def pad_same(x: torch.Tensor, patch_size: int) -> torch.Tensor:
     (maybe by 0), by amounts that follow the traced size."""
     pads: List[int] = []
     for n in (x.shape[3], x.shape[2]):
-        # the padded size as one ceil division: a traced size's later expressions stay simple
+        # the padded size in blocks as (n - 1) // p + 1, a strided conv's own form: a traced
+        # size's later sizes then simplify to (s - 1) // 2**i + 1 (from (n + p - 1) // p they
+        # nest divisions, which every later shape carried: a dynamic-size export 77 -> 50 s)
         total = ((n - 1) // patch_size + 1) * patch_size - n
         pads += [total // 2, total - total // 2]
     # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
