@@ -447,6 +447,12 @@ def exporting() -> bool:
     return _is_exporting() or torch.jit.is_tracing()
 
 
+def export_dropout(dropout: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``dropout(x)`` in an export formula: skipped in eval, where it is the identity yet still
+    a node of the exported graph, one more for the exporters' per-node work."""
+    return dropout(x) if dropout.training else x
+
+
 # Per torch.export trace (keyed by its fake-tensor mode, dropped with it): export_memo's values.
 _export_memos: "weakref.WeakKeyDictionary[Any, Dict[tuple, Any]]" = weakref.WeakKeyDictionary()
 

@@ -13,6 +13,7 @@ switch (``ATTNZOO_TIMM_SUITE=full``) every model with both exporters.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import inspect
 import io
@@ -629,3 +630,24 @@ def test_timm_s_onnx_export_py_checks_the_forward_from_a_timm_checkout(name, fla
     if "--dynamic-size" in flags:
         inputs.append(torch.randn(1, 3, *other_size))
     _assert_onnxruntime_matches(out_file, model, name, inputs)
+
+
+def test_qna_vit_s_blocks_export_on_rows_through_the_dynamo_exporter(tmp_path):
+    """QnA-ViT's blocks on rows while exporting (QnA and the window attention gather their
+    windows from the batch's rows): the dynamo exporter's decompositions take them (they made
+    the reshape after the window attention a view, which its strides refuse) and onnxruntime
+    equals the model at other batches and sizes, the windows padded or not."""
+    if _dynamo_skip_reason():
+        pytest.skip(_dynamo_skip_reason())
+    model = tiny_models.qna_vit(**tiny_models.QNA_VIT_TWO_STAGES)  # a QnA block, then an LSA one
+    path = tmp_path / "qna_vit.onnx"
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        onnx_export(model, str(path), example_input=torch.randn(2, 3, 64, 64), dynamic_size=True,
+                    use_dynamo=True, check=False)
+    _assert_onnxruntime_matches(path, model, "tiny qna_vit", [
+        torch.randn(1, 3, 64, 64), torch.randn(3, 3, 45, 77), torch.randn(1, 3, 96, 40)])
+    graph = onnx.shape_inference.infer_shapes(onnx.load(str(path))).graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in graph.value_info}
+    norms = [ranks[node.input[0]] for node in graph.node if node.op_type == "LayerNormalization"]
+    assert norms.count(2) == 2 * 2, norms  # the two blocks' norms take rows

@@ -193,7 +193,7 @@ class NeighborhoodAttention2d(nn.Module):
             qkv = torch.stack([q, l2_normalize(k), v], 2).reshape(qkv.shape)
         ks, dil = (self.kernel_size,) * 2, (self.dilation,) * 2
         x = na_export_rows(qkv, (H, W), ks, dil, self.rpb, self.scale, padded)
-        return self.proj_drop(self.proj(x.reshape(-1, self.dim)))
+        return backends.export_dropout(self.proj_drop, self.proj(x.reshape(-1, self.dim)))
 
     def export_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` while exporting: :meth:`forward_rows` on ``x``'s rows."""

@@ -13,7 +13,7 @@ working) registered with timm as FX leaves, as are the shape-dependent window he
 names must not start with ``_`` (torch.fx's autowrap skips private globals).
 """
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,7 @@ from timm.models import register_notrace_function
 
 from .. import backends
 from ..ops import qna2d, qna2d_weights, qna_window_positions
+from ..ops.qna import qna_export_rows
 from .attention_map import AttentionMap
 from .quest import check_attn_norm, l2_normalize
 
@@ -46,21 +47,27 @@ def qna2d_dispatch(
                  window_weights=window_weights, sum_queries=sum_queries, backend=backend)
 
 
-def qna_logits(x: torch.Tensor, queries: torch.Tensor, key_weight: torch.Tensor,
-               num_heads: int) -> torch.Tensor:
-    """Every learned query's score against the key at every position, ``[B, H, W, L, heads]``,
-    computed fused as ``x @ (W_k q_hat)``: the ``[B, H, W, dim]`` keys are never built.
-
-    Each head's query is L2-normalised (``q / (|q| + 1e-6)``, the official form) and divided by
+def fused_query_keys(queries: torch.Tensor, key_weight: torch.Tensor,
+                     num_heads: int) -> torch.Tensor:
+    """The learned queries fused with the key projection, ``W_k q_hat``, ``[C, L * heads]``:
+    each head's query L2-normalised (``q / (|q| + 1e-6)``, the official form) and divided by
     ``sqrt(head_dim)``. ``queries [L, F]``, ``key_weight [F, C]`` (an ``nn.Linear`` weight)."""
     L, dim = queries.shape
     head_dim = dim // num_heads
     q = queries.reshape(L, num_heads, head_dim)
     q = q / (torch.linalg.vector_norm(q, dim=-1, keepdim=True) + 1e-6) / math.sqrt(head_dim)
     fused = torch.einsum('lhd,hdc->clh', q, key_weight.reshape(num_heads, head_dim, -1))
-    logits = torch.matmul(x, fused.reshape(fused.shape[0], L * num_heads))
+    return fused.reshape(fused.shape[0], L * num_heads)
+
+
+def qna_logits(x: torch.Tensor, queries: torch.Tensor, key_weight: torch.Tensor,
+               num_heads: int) -> torch.Tensor:
+    """Every learned query's score against the key at every position, ``[B, H, W, L, heads]``,
+    computed fused as ``x @ (W_k q_hat)`` (:func:`fused_query_keys`): the ``[B, H, W, dim]``
+    keys are never built."""
+    logits = torch.matmul(x, fused_query_keys(queries, key_weight, num_heads))
     # reshape by x's sizes, not unflatten: the TorchScript ONNX exporter bakes unflatten's in
-    return logits.reshape(x.shape[0], x.shape[1], x.shape[2], L, num_heads)
+    return logits.reshape(x.shape[0], x.shape[1], x.shape[2], queries.shape[0], num_heads)
 
 
 class _QueriesAndAttend(nn.Module):
@@ -193,7 +200,27 @@ class QnA(_QueriesAndAttend):
         where each window lies (:func:`attnzoo.ops.qna2d_weights`)."""
         return self.window_map(x, self.stride)
 
+    def forward_rows(self, x: torch.Tensor, layout: Tuple[int, int, int]) -> torch.Tensor:
+        """``forward`` while exporting, on the map's rows ``[B * H * W, dim]`` (``layout``:
+        ``(B, H, W)``); returns the output map's rows ``[B * Ho * Wo, out_dim]``. QnA's export
+        formula (:func:`attnzoo.ops.qna.qna_export_rows`): on rows, every reshape is of static
+        sizes (the exporters' symbolic-shape work per node grows with a tensor's symbolic
+        dims)."""
+        fused = fused_query_keys(self.queries, self.k.weight, self.num_heads)
+        logits = torch.matmul(x, fused).reshape(-1, self.num_queries, self.num_heads)
+        v = self.v(x).reshape(-1, self.num_heads, self.head_dim)
+        x = qna_export_rows(logits, v, layout, self.kernel_size, self.stride, self.rpb,
+                            self.window_weights, True)
+        return backends.export_dropout(self.proj_drop, self.proj(x.reshape(-1, self.out_dim)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
+        if not torch.jit.is_scripting():
+            if backends.exporting():
+                B, H, W = x.shape[0], x.shape[1], x.shape[2]
+                x = self.forward_rows(x.reshape(-1, x.shape[3]), (B, H, W))
+                Ho, Wo = (H - 1) // self.stride + 1, (W - 1) // self.stride + 1
+                return x.reshape(B, Ho, Wo, self.out_dim)
         logits, v = self.logits_and_values(x)
         x = qna2d_dispatch(logits, v, self.kernel_size, self.stride, self.rpb,
                            self.window_weights, True, self.backend)
@@ -308,12 +335,20 @@ def _layout_tensors(H: int, W: int, window_size: int, padded: bool, device: torc
                                                                               wh * ww)
 
 
-def _slot_axis(L, w: int, device: torch.device):
-    """One axis of :func:`_slot_layout`: ``count`` windows of ``window = ceil(L / count)``
-    tokens, each in a slot of ``w``: which token fills each slot position (0 where none, then
-    not ``valid``), ``[count * w]`` each, and each token's slot position, ``[L]``. The window
-    size is computed by tensor ops: as a size it would be ``L`` divided by an expression of
-    ``L``, which every later shape would carry."""
+def _window_axis(L, window_size: int, device: torch.device):
+    """One axis of :func:`window_attention`'s windows at size ``L``: ``count`` windows, each in
+    a slot of ``width`` positions; which token fills each slot position (``[count * width]``;
+    0 where none, then not ``valid``), each token's slot position (``[L]``), ``count`` and
+    ``width``. At a static size the windows are :func:`window_layout`'s, as wide as their slots.
+    At a traced size the slots are ``window_size`` wide and the window, ``ceil(L / count)``, is
+    computed by tensor ops: as a size it would be ``L`` divided by an expression of ``L``,
+    which every later shape would carry (torch.export and the dynamo exporter's decompositions
+    ran several times slower per block)."""
+    if isinstance(L, int):
+        width, count = window_layout(L, window_size)
+        token = torch.arange(count * width, device=device)
+        return token, token < L, torch.arange(L, device=device), count, width
+    w = window_size
     count = (L + w - 1) // w
     s = torch.arange(count * w, device=device)
     window = torch.div(s - s + (L + count - 1), count, rounding_mode="floor")
@@ -322,20 +357,70 @@ def _slot_axis(L, w: int, device: torch.device):
     y = torch.arange(L, device=device)
     window_y = torch.div(y - y + (L + count - 1), count, rounding_mode="floor")
     slot = torch.div(y, window_y, rounding_mode="floor") * w + y % window_y
-    return torch.where(valid, token, 0), valid, slot, count
+    return token, valid, slot, count, w
 
 
-def _slot_layout(H, W, window_size: int, device: torch.device):
-    """:func:`window_attention`'s windows at a size traced for export, each in a
-    ``window_size`` square slot (its top-left corner): the slots' tokens (rows, columns),
-    which keys of each window are padding ``[nh * nw, 1, 1, w * w]``, the tokens' slot
-    positions (rows, columns), the slot counts and the bias table's rows for a slot."""
-    w = window_size
-    rows, valid_r, slot_r, nh = _slot_axis(H, w, device)
-    cols, valid_c, slot_c, nw = _slot_axis(W, w, device)
-    valid = valid_r.view(-1, 1, w, 1) & valid_c.view(1, -1, 1, w)         # [nh, nw, w, w]
-    index = relative_position_index(w, w, w, device).reshape(-1)
-    return rows, cols, ~valid.reshape(-1, 1, 1, w * w), slot_r, slot_c, nh, nw, index
+class _WindowRows(NamedTuple):
+    """:func:`window_attention_rows`' windows on the rows of a batch of maps."""
+    gather: torch.Tensor  # [3 * B * nW * n]: the q, then k, then v rows of each window's tokens
+    scatter: torch.Tensor  # [B * H * W]: each token's row of the windows' output
+    invalid: Optional[torch.Tensor]  # [B * nW, 1, 1, n]: padding keys; None where none
+    n: int  # slot positions per window
+    bias_index: torch.Tensor  # [n * n]: the bias table's rows for a window
+
+
+def _window_rows(B, H, W, window_size: int, device: torch.device) -> _WindowRows:
+    """The windows of a batch of ``B`` maps of ``H x W`` (:func:`_window_axis` per axis), as
+    rows of the maps' flattened tokens; tensor ops of the sizes only."""
+    rows, valid_r, slot_r, nh, wh = _window_axis(H, window_size, device)
+    cols, valid_c, slot_c, nw, ww = _window_axis(W, window_size, device)
+    n = wh * ww
+    batch = torch.arange(B, device=device)
+    token = rows.view(1, -1, 1, wh, 1) * W + cols.view(1, 1, -1, 1, ww)     # [1, nh, nw, wh, ww]
+    valid = valid_r.view(1, -1, 1, wh, 1) & valid_c.view(1, 1, -1, 1, ww)
+    # rows of the qkv projection with a zero token in front, 3 rows a token (its q, k and v):
+    # slot positions without a token read the zero token
+    token = torch.where(valid, token + batch.view(-1, 1, 1, 1, 1) * (H * W) + 1, 0)
+    gather = token.view(1, -1) * 3 + torch.arange(3, device=device).view(3, 1)
+    y, x = slot_r.view(-1, 1), slot_c.view(1, -1)
+    row = (y // wh * nw + x // ww) * n + y % wh * ww + x % ww                 # [H, W]
+    scatter = row + batch.view(-1, 1, 1) * (nh * nw * n)
+    invalid = None
+    if not (isinstance(H, int) and isinstance(W, int) and nh * wh == H and nw * ww == W):
+        invalid = (~valid).expand(B, -1, -1, -1, -1).reshape(-1, 1, 1, n)
+    return _WindowRows(gather.reshape(-1), scatter.reshape(-1), invalid, n,
+                       relative_position_index(wh, ww, window_size, device).reshape(-1))
+
+
+def window_attention_rows(qkv: torch.Tensor, layout: Tuple[int, int, int], table: torch.Tensor,
+                          num_heads: int, window_size: int, attn_norm: str = "none"
+                          ) -> torch.Tensor:
+    """:func:`window_attention` as an export graph, on the rows of a batch of maps: ``qkv
+    [B * H * W, 3 * C]``, ``layout`` ``(B, H, W)``; returns ``[B * H * W, C]``. Each window's
+    tokens are gathered by one ``index_select`` (:func:`_window_rows`, from the sizes, once per
+    size in a torch.export trace: :func:`attnzoo.backends.export_memo`) into a slot, the keys
+    of a slot's padding masked, and scattered back by another; every reshape is of static
+    sizes (the exporters' symbolic-shape work per node grows with a tensor's symbolic dims)."""
+    B, H, W = layout
+    C = qkv.shape[1] // 3
+    head_dim = C // num_heads
+    win = backends.export_memo(("lsa rows", B, H, W, window_size, qkv.device), qkv,
+                               _window_rows, B, H, W, window_size, qkv.device)
+    qkv = F.pad(qkv, (0, 0, 1, 0)).reshape(-1, C).index_select(0, win.gather)
+    qkv = qkv.reshape(3, -1, win.n, num_heads, head_dim).transpose(2, 3)
+    q, k, v = qkv[0], qkv[1], qkv[2]                                    # [B * nW, heads, n, d]
+    scale: Optional[float] = None  # SDPA's head_dim ** -0.5
+    if attn_norm == "quest":
+        k, scale = l2_normalize(k), 1.0
+    bias = table.index_select(0, win.bias_index).reshape(win.n, win.n, num_heads)
+    bias = bias.permute(2, 0, 1) if bias.dtype == q.dtype else bias.permute(2, 0, 1).to(q.dtype)
+    if win.invalid is not None:
+        bias = bias.masked_fill(win.invalid, float("-inf"))            # [B * nW, heads, n, n]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale).transpose(1, 2)
+    # the copy the reshape makes anyway, made explicit: on torch 2.14 the dynamo exporter's
+    # decompositions turn that reshape into a view, which fails on SDPA's strides
+    out = out.clone(memory_format=torch.contiguous_format)
+    return out.reshape(-1, C).index_select(0, win.scatter)
 
 
 def _attend_in_windows(qkv: torch.Tensor, table: torch.Tensor, index: torch.Tensor,
@@ -360,25 +445,7 @@ def _attend_in_windows(qkv: torch.Tensor, table: torch.Tensor, index: torch.Tens
         bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     out = out.reshape(B, nh, nw, num_heads, wh, ww, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
-    # the copy the reshape below makes anyway, made explicit: on torch 2.14 the ONNX dynamo
-    # exporter's decompositions turn that reshape into a view that fails at a dynamic batch
-    out = out.clone(memory_format=torch.contiguous_format)
     return out.reshape(B, nh * wh, nw * ww, C)
-
-
-def _window_attention_slots(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
-                            window_size: int, attn_norm: str) -> torch.Tensor:
-    """:func:`window_attention` for a torch.export trace with a traced map size: every window
-    in a ``window_size`` slot, its padding keys masked; shapes then hold the map size and
-    ``ceil(size / window_size)``, not the window size ``ceil(size / ceil(size / w))`` (a
-    division by an expression, which made torch.export and the dynamo exporter's
-    decompositions several times slower per block)."""
-    H, W, w = qkv.shape[1], qkv.shape[2], window_size
-    rows, cols, invalid, slot_r, slot_c, nh, nw, index = backends.export_memo(
-        ("lsa slots", H, W, w, qkv.device), qkv, _slot_layout, H, W, w, qkv.device)
-    qkv = qkv.index_select(1, rows).index_select(2, cols)           # [B, nh * w, nw * w, 3C]
-    out = _attend_in_windows(qkv, table, index, invalid, num_heads, nh, nw, w, w, attn_norm)
-    return out.index_select(1, slot_r).index_select(2, slot_c)
 
 
 @register_notrace_function
@@ -392,25 +459,19 @@ def window_attention(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     and a multiple of it is tiled exactly as the official code does; where the windows overrun
     the map, the padded keys are masked out. ``attn_norm="quest"``: keys L2-normalised per head
     and scale 1 (QUEST) instead of scale ``head_dim ** -0.5``. Returns ``[B, H, W, C]``."""
-    H, W = qkv.shape[1], qkv.shape[2]
+    B, H, W = qkv.shape[0], qkv.shape[1], qkv.shape[2]
     if not torch.jit.is_scripting():  # (TorchScript compiles neither the check nor the export)
-        if not (isinstance(H, int) and isinstance(W, int)) and backends.exporting():
-            return _window_attention_slots(qkv, table, num_heads, window_size, attn_norm)
+        if backends.exporting():
+            out = window_attention_rows(qkv.reshape(-1, qkv.shape[3]), (B, H, W), table,
+                                        num_heads, window_size, attn_norm)
+            return out.reshape(B, H, W, out.shape[1])
     wh, nh = window_layout(H, window_size)
     ww, nw = window_layout(W, window_size)
     pad_h, pad_w = nh * wh - H, nw * ww - W
-    if torch.jit.is_scripting():
-        padded = pad_h > 0 or pad_w > 0
-    else:  # a TorchScript trace serves other sizes too: it always pads (maybe by 0) and masks
-        padded = torch.jit.is_tracing() or pad_h > 0 or pad_w > 0
+    padded = pad_h > 0 or pad_w > 0
     if padded:
         qkv = F.pad(qkv, (0, 0, 0, pad_w, 0, pad_h))
-    if torch.jit.is_scripting():
-        index, invalid = _layout_tensors(H, W, window_size, padded, qkv.device)
-    else:  # once per stage in an exported graph
-        index, invalid = backends.export_memo(("lsa", H, W, window_size, padded, qkv.device),
-                                              qkv, _layout_tensors, H, W, window_size, padded,
-                                              qkv.device)
+    index, invalid = _layout_tensors(H, W, window_size, padded, qkv.device)
     out = _attend_in_windows(qkv, table, index, invalid, num_heads, nh, nw, wh, ww, attn_norm)
     if padded:
         out = out[:, :H, :W]
@@ -516,6 +577,13 @@ class LocalSelfAttention(nn.Module):
         :func:`window_attention_map`)."""
         return window_attention_map(self.qkv(x), self.relative_position_bias_table,
                                     self.num_heads, self.window_size, self.attn_norm)
+
+    def forward_rows(self, x: torch.Tensor, layout: Tuple[int, int, int]) -> torch.Tensor:
+        """``forward`` while exporting, on the map's rows ``[B * H * W, dim]`` (``layout``:
+        ``(B, H, W)``): :func:`window_attention_rows`."""
+        x = window_attention_rows(self.qkv(x), layout, self.relative_position_bias_table,
+                                  self.num_heads, self.window_size, self.attn_norm)
+        return backends.export_dropout(self.proj_drop, self.proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = window_attention(self.qkv(x), self.relative_position_bias_table, self.num_heads,

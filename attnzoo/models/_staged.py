@@ -26,7 +26,7 @@ from .. import backends
 from ..ops.neighborhood import static_size
 from ._helpers import build_model, check_image_input
 
-__all__ = ["StagedModel", "Stage", "build_staged", "staged_cfg"]
+__all__ = ["StagedModel", "Stage", "build_staged", "mlp_rows", "staged_cfg"]
 
 
 class Stage(nn.Module):
@@ -59,6 +59,12 @@ class Stage(nn.Module):
         for block in self.blocks:
             rows = block.forward_rows(rows, (B, H, W))
         return rows.reshape(B, H, W, rows.shape[-1])
+
+
+def mlp_rows(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's ``Mlp`` in a block's ``forward_rows`` (:meth:`Stage.blocks_on_rows` runs only in
+    eval), without its dropouts: identities in eval, yet each a node of the exported graph."""
+    return mlp.fc2(mlp.norm(mlp.act(mlp.fc1(x))))
 
 
 def build_staged(model_cls: type, variant: str, pretrained: bool, num_stages: int,

@@ -50,7 +50,7 @@ from ..layers import NeighborhoodAttention2d
 from ._helpers import (check_state_dict, per_stage, rename_key, replace_prefix,
                        unwrap_checkpoint)
 from ._registry import register_model
-from ._staged import Stage, StagedModel, build_staged, staged_cfg
+from ._staged import Stage, StagedModel, build_staged, mlp_rows, staged_cfg
 from ._weights import hub_weights
 
 __all__ = ["NAT", "checkpoint_filter_fn"]
@@ -127,7 +127,7 @@ class NATBlock(nn.Module):
     def forward_rows(self, x: torch.Tensor, layout: Tuple[int, int, int]) -> torch.Tensor:
         """``forward`` on the map's rows while exporting (:meth:`Stage.blocks_on_rows`)."""
         x = x + self.drop_path1(self.ls1(self.attn.forward_rows(self.norm1(x), layout)))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        x = x + self.drop_path2(self.ls2(mlp_rows(self.mlp, self.norm2(x))))
         return x
 
 

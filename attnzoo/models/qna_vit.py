@@ -60,7 +60,7 @@ from ..layers import LocalSelfAttention, QnA
 from ..layers.quest import check_attn_norm
 from ._helpers import check_state_dict, per_stage, unwrap_checkpoint
 from ._registry import register_model
-from ._staged import Stage, StagedModel, build_staged, staged_cfg
+from ._staged import Stage, StagedModel, build_staged, mlp_rows, staged_cfg
 from ._weights import hub_weights
 
 __all__ = ["QnAViT", "checkpoint_filter_fn", "read_checkpoint"]
@@ -124,6 +124,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path1(self.attn(self.norm1(x)))
         x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x
+
+    def forward_rows(self, x: torch.Tensor, layout: Tuple[int, int, int]) -> torch.Tensor:
+        """``forward`` on the map's rows while exporting (:meth:`Stage.blocks_on_rows`)."""
+        x = x + self.drop_path1(self.attn.forward_rows(self.norm1(x), layout))
+        x = x + self.drop_path2(mlp_rows(self.mlp, self.norm2(x)))
         return x
 
 

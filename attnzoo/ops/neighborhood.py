@@ -501,23 +501,6 @@ def _axis_neighbours(L, K: int, d: int, device: torch.device, window: int = 0
     return key_ip * d + g.unsqueeze(1), key_ip - (ip.unsqueeze(1) - (K - 1))
 
 
-def _neighbourhood(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
-                   device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Every query's ``K**n`` keys as positions in the row-major flattened map, and their rows
-    of the row-major rpb table, ``[N * K**n]`` each, from the axes' :func:`_axis_neighbours`."""
-    key = rel = None
-    for a, (L, K, d) in enumerate(zip(spatial, kernel_size, dilation)):
-        key_a, rel_a = _axis_neighbours(L, K, d, device)  # [L_a, K_a]
-        for _ in range(a):  # -> [1, .., L_a, 1, .., K_a]: after the earlier axes' dims
-            key_a, rel_a = key_a.unsqueeze(0).unsqueeze(-2), rel_a.unsqueeze(0).unsqueeze(-2)
-        if key is None:
-            key, rel = key_a, rel_a
-        else:
-            key = key.unsqueeze(a).unsqueeze(-1) * L + key_a
-            rel = rel.unsqueeze(a).unsqueeze(-1) * (2 * K - 1) + rel_a
-    return key.reshape(-1), rel.reshape(-1)
-
-
 class _Rows(NamedTuple):
     """The rows an NA export graph gathers (:func:`_na_rows`)."""
     q: torch.Tensor               # [N]: each query's row
@@ -904,10 +887,17 @@ def na1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntO
 # unfused NA: NATTEN 0.17's two-step API (na{n}d_qk, then na{n}d_av)
 # --------------------------------------------------------------------------------------------
 
+def _key_rows(spatial, kernel_size, dilation, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every query's ``K**n`` keys as positions in the row-major flattened map, and their rows
+    of the row-major rpb table, ``[N * K**n]`` each (:func:`_na_rows`, unpadded, one head)."""
+    rows = _na_rows(spatial, kernel_size, dilation, device, False, 1, 1)
+    return rows.k, rows.bias.reshape(-1)
+
+
 @functools.lru_cache(maxsize=64)
 def _window_keys_cached(spatial, kernel_size, dilation, device):
     with torch.inference_mode(False):  # cached: never inference tensors (see _plan)
-        return _neighbourhood(spatial, kernel_size, dilation, device)
+        return _key_rows(spatial, kernel_size, dilation, device)
 
 
 @torch.compiler.assume_constant_result  # a constant of a compiled graph, as the plan
@@ -919,12 +909,11 @@ _window_keys_constant.__name__ = "_attnzoo_na_window_keys"  # see _plan_constant
 
 
 def _window_keys(spatial, kernel_size, dilation, like: torch.Tensor):
-    """:func:`_neighbourhood`'s key positions and rpb rows: cached per size in eager and
-    compiled calls, and derived from the input's shape (once per trace) while exporting."""
+    """:func:`_key_rows`: cached per size in eager and compiled calls, and derived from the
+    input's shape (once per trace) while exporting."""
     if backends.exporting():
         return backends.export_memo(("na", *spatial, kernel_size, dilation, False, like.device),
-                                    like, _neighbourhood, spatial, kernel_size, dilation,
-                                    like.device)
+                                    like, _key_rows, spatial, kernel_size, dilation, like.device)
     return _window_keys_constant(tuple(static_size(s) for s in spatial), kernel_size, dilation,
                                  like.device)
 
@@ -1083,7 +1072,7 @@ def na_window_positions(spatial: Sequence[int], *, kernel_size: IntOrTuple,
     spatial = tuple(spatial)
     n = len(spatial)
     ks, dil = _check_window("na_window_positions", n, kernel_size, dilation, spatial)
-    key, _ = _neighbourhood(spatial, ks, dil, device or torch.device("cpu"))
+    key = _na_rows(spatial, ks, dil, device or torch.device("cpu"), False, 1, 0).k
     key = key.reshape(*spatial, math.prod(ks))
     axes = []
     for L in reversed(spatial):  # row-major flat index -> per-axis positions

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from .. import backends, kernels
 
 __all__ = ["qna2d", "qna2d_weights", "qna_window_positions", "qna2d_reference",
-           "qna2d_export"]
+           "qna2d_export", "qna_export_rows"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,10 +353,11 @@ def _window_softmax(logits: torch.Tensor, rpb: Optional[torch.Tensor], k: int, s
     return z.softmax(3)
 
 
-def _window_index(H, W, k: int, stride: int, device: torch.device) -> torch.Tensor:
-    """Each output position's ``k x k`` window as rows of the flattened map with one row in
-    front for outside the map (0), ``[Ho * Wo * k * k]`` (row-major offsets); tensor ops of the
-    sizes only, so an exported graph derives it from the input's shape."""
+def _window_rows(B, H, W, k: int, stride: int, device: torch.device) -> torch.Tensor:
+    """Each output position's ``k x k`` window as rows of a batch of ``B`` maps flattened to
+    ``[B * H * W]``, with one row in front for outside the map (0), ``[B * Ho * Wo * k * k]``
+    (row-major offsets); tensor ops of the sizes only, so an exported graph derives it from the
+    input's shape."""
     r = (k - 1) // 2
 
     def axis(L):  # [Lo, k]: the taps' positions, and whether they lie in the map
@@ -365,50 +366,66 @@ def _window_index(H, W, k: int, stride: int, device: torch.device) -> torch.Tens
         return pos, (pos >= 0) & (pos < L)
 
     (y, valid_y), (x, valid_x) = axis(H), axis(W)
-    flat = y.view(-1, 1, k, 1) * W + x.view(1, -1, 1, k) + 1               # [Ho, Wo, k, k]
-    return torch.where(valid_y.view(-1, 1, k, 1) & valid_x.view(1, -1, 1, k), flat, 0).reshape(-1)
+    first = torch.arange(B, device=device).view(-1, 1, 1, 1, 1) * (H * W) + 1  # each map's
+    flat = y.view(1, -1, 1, k, 1) * W + x.view(1, 1, -1, 1, k) + first   # [B, Ho, Wo, k, k]
+    return torch.where(valid_y.view(1, -1, 1, k, 1) & valid_x.view(1, 1, -1, 1, k), flat,
+                       0).reshape(-1)
 
 
-def qna2d_export(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
-                 window_weights: Optional[torch.Tensor], kernel_size: int, stride: int,
-                 sum_queries: bool) -> torch.Tensor:
-    """QnA as an export graph: every window gathered by one ``index_select`` of the flattened
-    map (:func:`_window_index`, from the input's shape, once per size in a torch.export trace:
-    :func:`attnzoo.backends.export_memo`) with a row in front for outside the map (logit
-    ``-inf``, value 0), one softmax per window. Exact for any logits, with no data-dependent
-    branch and a graph that does not grow with the kernel; it holds ``k * k`` copies of the
-    logits and values, which inference affords. (``F.unfold`` did the same in more nodes, each
-    with symbolic shape work, and once per layer.) Tensors already in the compute dtype are
-    not cast: each cast is two nodes of the exported graph."""
-    B, H, W = logits.shape[0], logits.shape[1], logits.shape[2]
-    L, h, d = logits.shape[3], logits.shape[4], v.shape[-1]
+def qna_export_rows(logits: torch.Tensor, v: torch.Tensor, layout: Tuple[int, int, int],
+                    kernel_size: int, stride: int, rpb: Optional[torch.Tensor],
+                    window_weights: Optional[torch.Tensor], sum_queries: bool) -> torch.Tensor:
+    """QnA as an export graph, on the rows of a batch of maps: ``logits [B * H * W, L, heads]``,
+    ``v [B * H * W, heads, head_dim]``, ``layout`` ``(B, H, W)``; returns the output map's rows,
+    ``[B * Ho * Wo, heads, head_dim]`` (``[B * Ho * Wo, L, heads, head_dim]`` unsummed).
+
+    Every window is gathered by one ``index_select`` (:func:`_window_rows`, from the sizes, once
+    per size in a torch.export trace: :func:`attnzoo.backends.export_memo`) of the rows with
+    one row in front for outside the map (logit ``-inf``, value 0), then one softmax per
+    window. Exact for any logits, with no data-dependent branch and a graph that does not grow
+    with the kernel; it holds ``k * k`` copies of the logits and values, which inference
+    affords. Rows, not maps: every reshape is then of static sizes, and the exporters'
+    symbolic-shape work per node grows with a tensor's symbolic dims. Tensors already in the
+    compute dtype are not cast: each cast is two nodes of the exported graph."""
+    B, H, W = layout
     k = kernel_size
+    L, h = logits.shape[1], logits.shape[2]
     dtype = _compute_dtype(v.dtype)
 
     def cast(x, to=dtype):
         return x if x.dtype == to else x.to(to)
 
-    index = backends.export_memo(("qna", H, W, k, stride, logits.device), logits,
-                                 _window_index, H, W, k, stride, logits.device)
+    index = backends.export_memo(("qna", B, H, W, k, stride, logits.device), logits,
+                                 _window_rows, B, H, W, k, stride, logits.device)
 
-    def windows(x, outside: float):  # [B, H, W, ...] -> [B, Ho * Wo, k * k, C]
-        x = cast(x.reshape(B, -1, x.shape[3] * x.shape[4]))
-        x = torch.cat([x.new_full((1, 1, x.shape[2]), outside).expand(B, 1, -1), x], 1)
-        return x.index_select(1, index).reshape(B, -1, k * k, x.shape[2])
+    def windows(x, outside: float):  # [N, a, b] -> [No, k * k, a, b]
+        x = F.pad(cast(x), (0, 0, 0, 0, 1, 0), value=outside)
+        return x.index_select(0, index).reshape(-1, k * k, x.shape[1], x.shape[2])
 
-    z = windows(logits, float("-inf")).reshape(B, -1, k * k, L, h)
+    z = windows(logits, float("-inf"))
     if rpb is not None:
         z = z + cast(rpb).reshape(L, h, k * k).permute(2, 0, 1)
-    p = z.softmax(2)                                                  # [B, Ho*Wo, k*k, L, h]
+    p = z.softmax(1)                                                  # [No, k*k, L, h]
     if window_weights is not None:
         p = p * cast(window_weights).reshape(L, h, k * k).permute(2, 0, 1)
-    values = windows(v, 0.).reshape(B, -1, k * k, h, d)
-    Ho, Wo = _out_size(H, stride), _out_size(W, stride)
+    values = windows(v, 0.)                                           # [No, k*k, h, d]
     if sum_queries:
-        out = (p.sum(3).unsqueeze(-1) * values).sum(2)                # [B, Ho*Wo, h, d]
-        return cast(out.reshape(B, Ho, Wo, h, d), v.dtype)
-    out = (p.unsqueeze(-1) * values.unsqueeze(3)).sum(2)              # [B, Ho*Wo, L, h, d]
-    return cast(out.reshape(B, Ho, Wo, L, h, d), v.dtype)
+        out = (p.sum(2).unsqueeze(-1) * values).sum(1)                # [No, h, d]
+    else:
+        out = (p.unsqueeze(-1) * values.unsqueeze(2)).sum(1)          # [No, L, h, d]
+    return cast(out, v.dtype)
+
+
+def qna2d_export(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
+                 window_weights: Optional[torch.Tensor], kernel_size: int, stride: int,
+                 sum_queries: bool) -> torch.Tensor:
+    """QnA as an export graph: :func:`qna_export_rows` on the maps' rows."""
+    B, H, W = logits.shape[0], logits.shape[1], logits.shape[2]
+    L, h, d = logits.shape[3], logits.shape[4], v.shape[-1]
+    out = qna_export_rows(logits.reshape(-1, L, h), v.reshape(-1, h, d), (B, H, W), kernel_size,
+                          stride, rpb, window_weights, sum_queries)
+    Ho, Wo = _out_size(H, stride), _out_size(W, stride)
+    return out.reshape((B, Ho, Wo) + tuple(out.shape[1:]))
 
 
 # --------------------------------------------------------------------------------------------
