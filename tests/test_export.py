@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import inspect
 import io
+import itertools
 import math
 import os
 import subprocess
@@ -108,6 +109,28 @@ def test_export_formulas_equal_the_torch_reference_forward_and_backward(case):
     for ge, gr in zip(torch.autograd.grad(out_e, inputs_e, grad),
                       torch.autograd.grad(out_r, inputs_r, grad)):
         torch.testing.assert_close(ge, gr, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "zeros"])
+def test_san_s_footprint_gather_while_exporting_equals_unfold(mode, monkeypatch):
+    """ops/san._neighbours while exporting: one index_select of the flattened map
+    (_footprint_index) equals F.unfold of the padded map, for every kernel, dilation and
+    stride, down to maps one position wider than reflect's padding."""
+    from attnzoo.ops import san
+
+    checked = 0
+    for k, d, s, (H, W) in itertools.product((3, 5, 7), (1, 2), (1, 2), ((9, 11), (5, 4))):
+        if mode == "reflect" and d * (k - 1) // 2 >= min(H, W):
+            continue  # beyond what reflection (F.pad's) takes
+        x = torch.randn(2, 3, H, W, dtype=torch.float64)
+        fp = _footprint("san_neighbours", x, k, d, s, mode)
+        want = san._neighbours(x, fp)
+        with monkeypatch.context() as patch:
+            patch.setattr(backends, "exporting", lambda: True)
+            got = san._neighbours(x, fp)
+        assert torch.equal(got, want), (k, d, s, H, W)
+        checked += 1
+    assert checked >= 16
 
 
 def test_na_export_formula_equals_the_brute_force_oracle():

@@ -161,8 +161,46 @@ def _centre(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     return centre.reshape(x.shape[0], x.shape[1], 1, centre.shape[-2] * centre.shape[-1])
 
 
+def _footprint_index(H, W, fp: Footprint, device: torch.device) -> torch.Tensor:
+    """Every output position's footprint as positions of the row-major flattened map,
+    ``[kk * Ho * Wo]`` (tap-major, as ``F.unfold``'s rows); reflected at the borders, or with
+    ``'zeros'`` padding one position in front that reads 0 (index 0), the map's after it.
+    Tensor ops of the sizes only, so an exported graph derives it from the input's shape."""
+    zeros = fp.padding_mode != "reflect"
+
+    def axis(n, n_out, k: int, d: int, s: int, pad: int):  # [k, n_out] tap positions
+        pos = torch.arange(k, device=device).view(-1, 1) * d - pad \
+            + torch.arange(n_out, device=device) * s
+        if zeros:
+            return pos, (pos >= 0) & (pos < n)
+        pos = pos.abs()  # -1 -> 1, n -> n - 2: the reflection without the edge
+        return torch.where(pos > n - 1, 2 * (n - 1) - pos, pos), None
+
+    (kh, kw), (dh, dw), (sh, sw), (ph, pw) = fp.kernel_size, fp.dilation, fp.stride, fp.padding
+    Ho, Wo = _out_size(fp, H, W)
+    y, valid_y = axis(H, Ho, kh, dh, sh, ph)
+    x, valid_x = axis(W, Wo, kw, dw, sw, pw)
+    flat = y.view(kh, 1, -1, 1) * W + x.view(1, kw, 1, -1)                  # [kh, kw, Ho, Wo]
+    if zeros:
+        flat = torch.where(valid_y.view(kh, 1, -1, 1) & valid_x.view(1, kw, 1, -1), flat + 1, 0)
+    return flat.reshape(-1)
+
+
 def _neighbours(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
-    """Every output position's footprint of ``x``, ``[N, C, kk, L]``."""
+    """Every output position's footprint of ``x``, ``[N, C, kk, L]``.
+
+    While exporting: one ``index_select`` of the flattened map (:func:`_footprint_index`, once
+    per size in a torch.export trace: :func:`attnzoo.backends.export_memo`), where ``F.unfold``
+    is some 35 ONNX nodes per call for the dynamo exporter to translate and optimize."""
+    # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
+    if not torch.jit.is_scripting():
+        if backends.exporting():
+            index = backends.export_memo(("san", x.shape[2], x.shape[3], fp, x.device), x,
+                                         _footprint_index, x.shape[2], x.shape[3], fp, x.device)
+            flat = x.flatten(2)
+            if fp.padding_mode != "reflect":
+                flat = F.pad(flat, (1, 0))
+            return flat.index_select(2, index).unflatten(2, (fp.taps, -1))
     cols = F.unfold(_pad(x, fp), fp.kernel_size, dilation=fp.dilation, stride=fp.stride)
     return cols.view(x.shape[0], x.shape[1], fp.taps, cols.shape[-1])
 
