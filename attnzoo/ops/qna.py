@@ -366,7 +366,7 @@ def _window_rows(B, H, W, k: int, stride: int, device: torch.device) -> torch.Te
         return pos, (pos >= 0) & (pos < L)
 
     (y, valid_y), (x, valid_x) = axis(H), axis(W)
-    first = torch.arange(B, device=device).view(-1, 1, 1, 1, 1) * (H * W) + 1  # each map's
+    first = torch.arange(B, device=device).view(-1, 1, 1, 1, 1) * (H * W) + 1  # map b's row 0
     flat = y.view(1, -1, 1, k, 1) * W + x.view(1, 1, -1, 1, k) + first   # [B, Ho, Wo, k, k]
     return torch.where(valid_y.view(1, -1, 1, k, 1) & valid_x.view(1, 1, -1, 1, k), flat,
                        0).reshape(-1)
