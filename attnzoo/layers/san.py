@@ -35,7 +35,7 @@ from timm.models import register_notrace_function
 
 from .. import backends
 from ..ops import san_aggregation, san_neighbours, san_subtraction, san_subtraction2
-from ..ops.san import PADDING_MODES
+from ..ops.san import PADDING_MODES, footprint_positions
 from .attention_map import AttentionMap
 
 __all__ = ["SAM", "PAIRWISE_RELATIONS", "PATCHWISE_RELATIONS"]
@@ -242,19 +242,11 @@ class SAM(nn.Module):
         Ho, Wo = (H - 1) // s + 1, (W - 1) // s + 1
         w = self.attention_weights(x)
         weights = w.reshape(w.shape[0], w.shape[1], self.taps, Ho, Wo).permute(0, 3, 4, 1, 2)
-        k, r, d = self.kernel_size, self.kernel_size // 2, self.dilation
-
-        def axis(n_out: int, n: int) -> torch.Tensor:  # [n_out, k] tap positions on one axis
-            pos = (torch.arange(n_out, device=x.device) * s).view(-1, 1) + (
-                torch.arange(k, device=x.device) - r) * d
-            if self.padding_mode == "reflect":  # -1 -> 1, n -> n - 2
-                pos = pos.abs()
-                pos = torch.where(pos > n - 1, 2 * (n - 1) - pos, pos)
-            return pos
-
-        ys, xs = axis(Ho, H), axis(Wo, W)
-        keys = torch.stack([ys.view(Ho, 1, k, 1).expand(Ho, Wo, k, k),
-                            xs.view(1, Wo, 1, k).expand(Ho, Wo, k, k)], -1)
+        k, reflect = self.kernel_size, self.padding_mode == "reflect"
+        ys, xs = (footprint_positions(n, n_out, k, self.dilation, s, reflect, x.device).t()
+                  for n, n_out in ((H, Ho), (W, Wo)))                          # [n_out, k] each
+        keys = torch.stack([ys.reshape(Ho, 1, k, 1).expand(Ho, Wo, k, k),
+                            xs.reshape(1, Wo, 1, k).expand(Ho, Wo, k, k)], -1)
         return AttentionMap(weights, ("batch", "y", "x", "group", "key"),
                             keys.reshape(Ho, Wo, self.taps, 2), (H, W), s)
 

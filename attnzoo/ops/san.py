@@ -161,28 +161,33 @@ def _centre(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     return centre.reshape(x.shape[0], x.shape[1], 1, centre.shape[-2] * centre.shape[-1])
 
 
+def footprint_positions(n, n_out, kernel_size: int, dilation: int, stride: int, reflect: bool,
+                        device: torch.device) -> torch.Tensor:
+    """One axis of the footprint: the ``kernel_size`` tap positions of each of ``n_out`` output
+    positions on an axis of ``n``, ``[kernel_size, n_out]``; reflected at the borders as
+    ``F.pad``'s reflection (``-1 -> 1``, ``n -> n - 2``) or, for zero padding, as they are (some
+    outside ``[0, n)``). Tensor ops of the sizes only."""
+    pos = torch.arange(kernel_size, device=device).view(-1, 1) * dilation \
+        - dilation * (kernel_size - 1) // 2 + torch.arange(n_out, device=device) * stride
+    if reflect:
+        pos = pos.abs()
+        pos = torch.where(pos > n - 1, 2 * (n - 1) - pos, pos)
+    return pos
+
+
 def _footprint_index(H, W, fp: Footprint, device: torch.device) -> torch.Tensor:
     """Every output position's footprint as positions of the row-major flattened map,
     ``[kk * Ho * Wo]`` (tap-major, as ``F.unfold``'s rows); reflected at the borders, or with
     ``'zeros'`` padding one position in front that reads 0 (index 0), the map's after it.
     Tensor ops of the sizes only, so an exported graph derives it from the input's shape."""
-    zeros = fp.padding_mode != "reflect"
-
-    def axis(n, n_out, k: int, d: int, s: int, pad: int):  # [k, n_out] tap positions
-        pos = torch.arange(k, device=device).view(-1, 1) * d - pad \
-            + torch.arange(n_out, device=device) * s
-        if zeros:
-            return pos, (pos >= 0) & (pos < n)
-        pos = pos.abs()  # -1 -> 1, n -> n - 2: the reflection without the edge
-        return torch.where(pos > n - 1, 2 * (n - 1) - pos, pos), None
-
-    (kh, kw), (dh, dw), (sh, sw), (ph, pw) = fp.kernel_size, fp.dilation, fp.stride, fp.padding
+    reflect = fp.padding_mode == "reflect"
+    (kh, kw), (dh, dw), (sh, sw) = fp.kernel_size, fp.dilation, fp.stride
     Ho, Wo = _out_size(fp, H, W)
-    y, valid_y = axis(H, Ho, kh, dh, sh, ph)
-    x, valid_x = axis(W, Wo, kw, dw, sw, pw)
-    flat = y.view(kh, 1, -1, 1) * W + x.view(1, kw, 1, -1)                  # [kh, kw, Ho, Wo]
-    if zeros:
-        flat = torch.where(valid_y.view(kh, 1, -1, 1) & valid_x.view(1, kw, 1, -1), flat + 1, 0)
+    y = footprint_positions(H, Ho, kh, dh, sh, reflect, device).view(kh, 1, -1, 1)
+    x = footprint_positions(W, Wo, kw, dw, sw, reflect, device).view(1, kw, 1, -1)
+    flat = y * W + x                                                         # [kh, kw, Ho, Wo]
+    if not reflect:
+        flat = torch.where((y >= 0) & (y < H) & (x >= 0) & (x < W), flat + 1, 0)
     return flat.reshape(-1)
 
 
