@@ -335,6 +335,14 @@ def _layout_tensors(H: int, W: int, window_size: int, padded: bool, device: torc
                                                                               wh * ww)
 
 
+def _window_bias(table: torch.Tensor, index: torch.Tensor, n: int, num_heads: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """A window's relative biases from ``table`` by its rows ``index [n * n]``,
+    ``[heads, n, n]`` in ``dtype``."""
+    bias = table.index_select(0, index).reshape(n, n, num_heads).permute(2, 0, 1)
+    return bias if bias.dtype == dtype else bias.to(dtype)
+
+
 def _window_axis(L, window_size: int, device: torch.device):
     """One axis of :func:`window_attention`'s windows at size ``L``: ``count`` windows, each in
     a slot of ``width`` positions; which token fills each slot position (``[count * width]``;
@@ -412,8 +420,7 @@ def window_attention_rows(qkv: torch.Tensor, layout: Tuple[int, int, int], table
     scale: Optional[float] = None  # SDPA's head_dim ** -0.5
     if attn_norm == "quest":
         k, scale = l2_normalize(k), 1.0
-    bias = table.index_select(0, win.bias_index).reshape(win.n, win.n, num_heads)
-    bias = bias.permute(2, 0, 1) if bias.dtype == q.dtype else bias.permute(2, 0, 1).to(q.dtype)
+    bias = _window_bias(table, win.bias_index, win.n, num_heads, q.dtype)       # [heads, n, n]
     if win.invalid is not None:
         bias = bias.masked_fill(win.invalid, float("-inf"))            # [B * nW, heads, n, n]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale).transpose(1, 2)
@@ -438,8 +445,7 @@ def _attend_in_windows(qkv: torch.Tensor, table: torch.Tensor, index: torch.Tens
     scale: Optional[float] = None
     if attn_norm == "quest":
         k, scale = l2_normalize(k), 1.0
-    bias = table[index].reshape(n, n, num_heads).permute(2, 0, 1)               # [heads, n, n]
-    bias = (bias if bias.dtype == q.dtype else bias.to(q.dtype)).unsqueeze(0)
+    bias = _window_bias(table, index, n, num_heads, q.dtype).unsqueeze(0)    # [1, heads, n, n]
     if invalid is not None:
         bias = bias.masked_fill(invalid, float("-inf"))                         # [nW, heads, n, n]
         bias = bias.unsqueeze(0).expand(B, -1, -1, -1, -1).reshape(B * nh * nw, num_heads, n, n)
@@ -496,8 +502,8 @@ def window_attention_map(qkv: torch.Tensor, table: torch.Tensor, num_heads: int,
     if attn_norm == "quest":
         k, scale = l2_normalize(k), 1.0
     index, invalid = _layout_tensors(H, W, window_size, padded, qkv.device)
-    logits = (q * scale) @ k.transpose(-1, -2) + table[index].reshape(n, n, num_heads).permute(
-        2, 0, 1).to(q.dtype)                                           # [B, nW, heads, n, n]
+    logits = (q * scale) @ k.transpose(-1, -2) \
+        + _window_bias(table, index, n, num_heads, q.dtype)             # [B, nW, heads, n, n]
     if invalid is not None:
         logits = logits.masked_fill(invalid, float("-inf"))
     weights = logits.softmax(-1).reshape(B, nh, nw, num_heads, wh, ww, n).permute(
