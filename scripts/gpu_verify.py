@@ -16,16 +16,20 @@ the later stages run; a smoke stage that faults ends the run, with its reason.
 2. ``smoke``: NA forward and backward at nat_tiny's stage-0 shape (batch 8, K 7, rpb), one QnA and
    one SAN call (their models' first stages), in bf16 and fp32, on ``cuda`` against the torch
    reference in float64 (``attnzoo.backends.check_case``).
-3. ``tests``: the kernel tests (tests/test_kernels_*.py), every registered check case on every
-   backend (tests/test_ops_registry.py), the cuda backend under torch.compile and QUEST's NA on
-   the kernels, in pytest-xdist workers (Triton's cache shared between them), beside
-   ``attnzoo check --device cuda``: a verdict per family and dtype, every skipped test listed.
+3. ``tests``: the kernel tests (tests/test_kernels_*.py: the kernels against the reference,
+   ``torch.library.opcheck`` of every kernel op, a compiled training step of every family),
+   every registered check case on every backend (tests/test_ops_registry.py), determinism and
+   QUEST's NA on the kernels, in pytest-xdist workers (Triton's cache shared between them),
+   beside ``attnzoo check --device cuda``: a verdict per family and dtype, every skipped test
+   listed.
 4. ``models``: nat_tiny, dinat_tiny, qna_vit_tiny and san10_patchwise at batch 64, one process
    each: logits and parameter gradients in bf16 (autocast) and fp32 on ``cuda`` against
    ``torch`` in exact fp32 (norm-relative errors; the ``torch`` backend's own in bf16 beside),
-   each backend run twice and compared bit for bit; ``torch.compile(fullgraph=True)`` of
-   nat_mini on ``cuda`` (graph breaks, error against eager). The kernels take their default
-   configurations here (``ATTNZOO_AUTOTUNE=0``: the compiles fit; stage 3 forces others).
+   each backend run twice and compared bit for bit; and a ``torch.compile(fullgraph=True)``
+   training step (Inductor) of nat_mini, dinat_mini, qna_vit_tiny and san10_pairwise on
+   ``cuda``, one process each (graphs, graph breaks, first-step time, error against eager; a
+   failure fails its kernel family's verdict). The kernels take their default configurations
+   here (``ATTNZOO_AUTOTUNE=0``: the compiles fit; stage 3 forces others).
 5. ``records``: the verdict per family and dtype, and for each family the line of the records
    file (attnzoo/kernels/verified.jsonl) covering the dtypes that passed stages 2 to 4.
 6. ``bench``, as time allows: the kernels' compiles first, in parallel processes (each launch's
@@ -66,9 +70,11 @@ if str(ROOT) not in sys.path:  # the checkout's attnzoo, installed or not (a len
     sys.path.insert(0, str(ROOT))
 STAGES = ("env", "smoke", "tests", "models", "records", "bench")
 # seconds, from an H200 machine's (16 cores) times with room: tests 139 s, models (nat_mini's
-# Inductor compile beside four models) 89 s, bench 172 s; all of it (595 s) within one device
-# command (600 s)
-LIMITS = {"env": 30, "smoke": 60, "tests": 160, "models": 150, "records": 15, "bench": 180}
+# Inductor compile beside four models) 89 s, bench 172 s; since, the tests stage runs the
+# opcheck, compiled-step and determinism tests and the models stage compiles a training step of
+# every family (not yet timed on a GPU: more room); stages 1-5 (535 s) within one device command
+# (600 s), the bench in a second
+LIMITS = {"env": 30, "smoke": 60, "tests": 220, "models": 210, "records": 15, "bench": 180}
 # a dry run's limits only catch a hang (CI runs it beside another xdist worker)
 DRY_LIMITS = {"env": 60, "smoke": 180, "tests": 300, "models": 300, "records": 60, "bench": 300}
 FAMILIES = ("neighborhood", "qna", "san")
@@ -78,6 +84,10 @@ FAMILY_OF_OP = {"na1d": "neighborhood", "na2d": "neighborhood", "qna2d": "qna",
 # stage 4's models: the kernel families each one runs
 MODELS = {"nat_tiny": ("neighborhood",), "dinat_tiny": ("neighborhood",),
           "qna_vit_tiny": ("qna",), "san10_patchwise": ("san",)}
+# stage 4's compiled training steps: a model of every family, and the kernel family it runs
+# (san10_pairwise: both SAN kernels, the subtraction and the aggregation)
+COMPILED = {"nat_mini": "neighborhood", "dinat_mini": "neighborhood", "qna_vit_tiny": "qna",
+            "san10_pairwise": "san"}
 # stage 4: relative error of `cuda` against `torch` in exact fp32 may be 2x the torch backend's
 # own in that dtype, or this floor (fp32 and bf16 differ from exact fp32 by summation order)
 FLOOR = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -344,9 +354,9 @@ def _problems(stage: str, findings: dict, family: str, dtype: str) -> List[str]:
     problems = [f"{m['model']} {m['dtype']}: {m['problem']}" for m in findings.get("models", [])
                 if family in MODELS.get(m["model"], ()) and m["dtype"] == dtype
                 and m.get("problem")]
-    compiled = findings.get("compile", {})
-    if family == "neighborhood" and compiled.get("problem"):
-        problems.append(f"torch.compile of {compiled.get('model')}: {compiled['problem']}")
+    problems += [f"torch.compile of {c['model']}: {c['problem']}"
+                 for c in findings.get("compile", []) if COMPILED.get(c["model"]) == family
+                 and c.get("problem")]
     return problems
 
 
@@ -436,13 +446,15 @@ def _details(stages: dict) -> List[str]:
                   f"{_e(m.get('cuda_error'))} | {_e(m.get('torch_error'))} | "
                   f"{_same(m.get('cuda_bitwise'))} | {_same(m.get('torch_bitwise'))} | "
                   f"{m.get('problem') or 'ok'} |" for m in models["models"]]
-    compiled = models.get("compile")
-    if compiled:
-        lines += ["", f"torch.compile(fullgraph=True) of {compiled.get('model')} on cuda: "
-                      f"{compiled.get('graphs', '?')} graph(s), {compiled.get('graph_breaks', '?')}"
-                      f" break(s), compile {compiled.get('compile_seconds', '?')} s, error "
-                      f"against eager {_e(compiled.get('error'))}: "
-                      f"{compiled.get('problem') or 'ok'}"]
+    if models.get("compile"):
+        lines += ["", "## A compiled training step on cuda (torch.compile(fullgraph=True), "
+                      "logits and every parameter gradient against eager on cuda)", "",
+                  "| model | batch | graphs | breaks | first step, s | error | result |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {c['model']} | {c.get('batch', '')} | {c.get('graphs', '?')} | "
+                  f"{c.get('graph_breaks', '?')} | {c.get('compile_seconds', '-')} | "
+                  f"{_e(c.get('error'))} | {(c.get('problem') or 'ok').replace('|', '/')} |"
+                  for c in models["compile"]]
     bench = stages["bench"]["findings"]
     if bench.get("na_table"):
         lines += ["", "## NA at NAT-tiny's and DiNAT's stage shapes", "", bench["na_table"]]
@@ -629,12 +641,13 @@ def stage_smoke(stage: Stage) -> None:
 
 # --- stage 3 ---------------------------------------------------------------------------------
 
-# tests run on a GPU: the kernels', the registry's cases on every backend (the torch reference
-# on CUDA too: what the kernels are checked against), and the kernels under torch.compile
+# tests run on a GPU: the kernels' (against the reference, opcheck, compiled training steps),
+# the registry's cases on every backend (the torch reference on CUDA too: what the kernels are
+# checked against), determinism, and QUEST's NA on the kernels
 TESTS = ["tests/test_kernels_neighborhood.py", "tests/test_kernels_qna.py",
-         "tests/test_kernels_san.py", "tests/test_ops_registry.py",
-         "tests/test_compile.py::test_the_cuda_backend_compiles_into_one_graph_equal_to_eager",
-         "tests/test_quest_vit.py::test_nat_quest_on_the_cuda_backend"]
+         "tests/test_kernels_san.py", "tests/test_kernels_opcheck.py",
+         "tests/test_kernels_compile.py", "tests/test_ops_registry.py",
+         "tests/test_determinism.py", "tests/test_quest_vit.py::test_nat_quest_on_the_cuda_backend"]
 # the dry run: one of each kind, small
 DRY_TESTS = ["tests/test_kernels_neighborhood.py::test_inference_under_no_grad",
              "tests/test_kernels_neighborhood.py::test_kernel_low_precision[1d-bf16]",
@@ -730,11 +743,21 @@ def classify(test_id: str):
     if module == "test_ops_registry":
         op, backend = (tokens + ["", ""])[:2]
         return (FAMILY_OF_OP.get(op) if backend == "cuda" else None), dtype
-    if module == "test_compile":
-        return {"nat": "neighborhood", "qna_vit": "qna", "san": "san"}.get(params), None
+    if module == "test_kernels_compile":  # per model family, or a QnA test by its name
+        return (_COMPILED_FAMILY.get(params.split("_")[0]) if params else
+                "qna" if "qna" in name else None), dtype
+    if module == "test_kernels_opcheck":  # test_<op>: the op's family
+        return next((f for prefix, f in (("test_na_", "neighborhood"), ("test_qna_", "qna"),
+                                         ("test_san_", "san")) if name.startswith(prefix)),
+                    None), dtype
+    if module == "test_determinism":  # [dtype-op]: the op's family; the others: every family's
+        return next((FAMILY_OF_OP[t] for t in tokens if t in FAMILY_OF_OP), None), dtype
     family = {"test_kernels_neighborhood": "neighborhood", "test_kernels_qna": "qna",
               "test_kernels_san": "san", "test_quest_vit": "neighborhood"}.get(module)
     return family, dtype
+
+
+_COMPILED_FAMILY = {"nat": "neighborhood", "dinat": "neighborhood", "qna": "qna", "san": "san"}
 
 
 def _triton_compiles() -> int:
@@ -746,9 +769,12 @@ def _triton_compiles() -> int:
 # --- stage 4 ---------------------------------------------------------------------------------
 
 def stage_models(stage: Stage) -> None:
-    """One process per model (and one for torch.compile), in parallel: their compiles overlap."""
-    # a dry run leaves out dinat_tiny: its dilation groups multiply the interpreter's launches
-    names = [m for m in MODELS if not (stage.dry and m.startswith("dinat"))] + ["compile"]
+    """One process per model and per compiled training step, in parallel: their compiles
+    overlap."""
+    # a dry run leaves out DiNAT (its dilation groups multiply the interpreter's launches) and
+    # compiles nat_mini only (tests/test_kernels_compile.py compiles every family there)
+    names = [m for m in MODELS if not (stage.dry and m.startswith("dinat"))]
+    names += [f"compile:{m}" for m in (["nat_mini"] if stage.dry else COMPILED)]
     env = dict(os.environ, ATTNZOO_AUTOTUNE="0")
     procs = {}
     for name in names:
@@ -756,25 +782,26 @@ def stage_models(stage: Stage) -> None:
                "--arg", name, "--work", str(stage.work), "--out", str(stage.out),
                "--deadline", str(stage.deadline)] + (["--dry-run"] if stage.dry else [])
         procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    models, statuses = [], {}
+    models, compiled, statuses = [], [], {}
     for name, proc in procs.items():
         _wait(proc, stage.left() - 2)
         rc = proc.returncode
         statuses[name] = _status(rc)
         path = stage.work / f"{name}.json"
         part = json.loads(path.read_text()) if path.exists() else {}
-        if name == "compile":
-            stage.findings["compile"] = part.get("compile") or {
-                "model": "nat_mini", "problem": f"no result ({statuses[name]})"}
+        if name.startswith("compile:"):
+            model = name.partition(":")[2]
+            compiled.append(part.get("compile") or {
+                "model": model, "problem": f"no result ({statuses[name]}: "
+                                           f"{part.get('error', 'no error message')})"})
         else:
             runs = part.get("models", [])
             done = {r["dtype"] for r in runs}
             runs += [{"model": name, "dtype": d, "problem": f"{statuses[name]}: "
                       f"{part.get('error', 'no result')}"} for d in FLOOR if d not in done]
             models += runs
-    stage.findings.update(models=models, processes=statuses)
-    stage.findings["failed"] = any(m.get("problem") for m in models) or bool(
-        stage.findings["compile"].get("problem"))
+    stage.findings.update(models=models, compile=compiled, processes=statuses)
+    stage.findings["failed"] = any(m.get("problem") for m in models + compiled)
 
 
 def _relative(a, b) -> float:
@@ -814,15 +841,16 @@ def tiny_kwargs(name: str) -> dict:
 
 
 def worker_model(stage: Stage) -> None:
-    """Stage 4 for one model (``--arg``), or torch.compile of nat_mini (``--arg compile``)."""
+    """Stage 4 for one model (``--arg NAME``), or a compiled training step of one
+    (``--arg compile:NAME``)."""
     import timm
     import torch
 
     import attnzoo  # noqa: F401  (registers the models)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     name = stage.arg
-    if name == "compile":
-        return _compile_check(stage)
+    if name.startswith("compile:"):
+        return _compile_check(stage, name.partition(":")[2])
     batch, size = (1, 32) if stage.dry else (64, 224)
     kwargs = dict(drop_path_rate=0.0, **(tiny_kwargs(name) if stage.dry else {}))
     model = timm.create_model(name, **kwargs).to(stage.device).train()
@@ -872,18 +900,18 @@ def _compare_backends(stage: Stage, model, x, name: str) -> None:
             stage.save()
 
 
-def _compile_check(stage: Stage) -> None:
-    """torch.compile(fullgraph=True) of nat_mini on the cuda backend (Inductor; a dry run: AOT
-    autograd without code generation): its graphs, first-call time, and logits and gradients
-    against eager; where it fails, the graph breaks Dynamo's explain finds."""
+def _compile_check(stage: Stage, name: str) -> None:
+    """torch.compile(fullgraph=True) of a training step of model ``name`` on the cuda backend
+    (Inductor; a dry run: AOT autograd with Inductor's decompositions, no code generation, every
+    custom op's output checked against its fake): its graphs, first-step time, and logits and
+    gradients against eager; where it fails, the graph breaks Dynamo's explain finds."""
     import timm
     import torch
     import torch._dynamo
 
     import attnzoo
     from attnzoo import backends
-    name = "nat_mini"
-    batch, size = (1, 32) if stage.dry else (8, 224)
+    batch, size = (2, 32) if stage.dry else (8, 224)
     kwargs = dict(drop_path_rate=0.0, **(tiny_kwargs(name) if stage.dry else {}))
     model = timm.create_model(name, **kwargs).to(stage.device).train()
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(
@@ -893,9 +921,9 @@ def _compile_check(stage: Stage) -> None:
 
     def counting(gm, example_inputs):  # Dynamo's graphs, then the real compiler
         graphs.append(gm)
-        if stage.dry:  # Dynamo and AOT autograd without code generation
-            from torch._dynamo.backends.common import aot_autograd
-            return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+        if stage.dry:
+            return torch._dynamo.lookup_backend("aot_eager_decomp_partition_crossref")(
+                gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs)
 
@@ -913,15 +941,17 @@ def _compile_check(stage: Stage) -> None:
                      problem=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}; breaks: "
                              f"{breaks}")
             stage.findings["failed"] = True
-            print(f"torch.compile({name}, fullgraph=True) on cuda: {f['problem']}", flush=True)
+            print(f"torch.compile({name}, fullgraph=True) training step on cuda: "
+                  f"{f['problem']}", flush=True)
             return
         f["compile_seconds"] = round(time.time() - start, 1)
     f.update(graphs=len(graphs), graph_breaks=0,
              error=max(_relative(got[0], eager[0]), _relative(got[1], eager[1])))
     f["problem"] = None if f["error"] <= FLOOR["float32"] else (
         f"error against eager {f['error']:.1e} > {FLOOR['float32']:.0e}")
-    print(f"torch.compile({name}, fullgraph=True) on cuda: {f['graphs']} graph(s), "
-          f"{f['compile_seconds']} s, error against eager {f['error']:.1e}", flush=True)
+    print(f"torch.compile({name}, fullgraph=True) training step on cuda: {f['graphs']} "
+          f"graph(s), {f['compile_seconds']} s, error against eager {f['error']:.1e}",
+          flush=True)
     stage.findings["failed"] = bool(f["problem"])
 
 

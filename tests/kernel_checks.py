@@ -1,6 +1,7 @@
 """What the kernel tests of every family share: a kernel's output and input gradients against the
-float64 torch reference on the same (rounded) inputs. The reference itself is checked against the
-brute forces of tests/oracles.py by the op tests."""
+float64 torch reference on the same (rounded) inputs (the reference itself is checked against the
+brute forces of tests/oracles.py by the op tests); the layouts models hand the custom ops, and
+torch.library's checks of an op on them."""
 from __future__ import annotations
 
 import os
@@ -119,3 +120,38 @@ def rerun_without_a_gpu(request) -> bool:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
     return True
+
+
+def laid_out(t: torch.Tensor, layout: str, grad: bool = False) -> torch.Tensor:
+    """``t``'s values in ``layout``, as a model hands them to an op:
+
+    * ``contiguous``;
+    * ``projection``: a strided view of one of the three parts of a fused projection (the
+      qkv / kv linear's output ``[..., 3, heads, d]`` unbound), on the heads dim's left;
+    * ``permuted``: dense but not contiguous: a 4-D map channels_last, a 5-D or 6-D heads-last
+      map stored heads-major (dims 1 and -2 swapped in memory);
+    * ``batch_slice``: the last ``B`` samples of a batch of ``B + 1`` (an offset into storage).
+
+    ``grad``: a leaf that requires grad (opcheck then checks the backward too)."""
+    if layout == "projection":
+        t = torch.stack([torch.zeros_like(t), t, torch.zeros_like(t)], dim=-3).select(-3, 1)
+    elif layout == "permuted" and t.dim() == 4:
+        t = t.contiguous(memory_format=torch.channels_last)
+    elif layout == "permuted":
+        order = list(range(t.dim()))
+        order[1], order[-2] = order[-2], order[1]
+        t = t.permute(order).contiguous().permute(order)
+    elif layout == "batch_slice":
+        t = torch.cat([torch.zeros_like(t[:1]), t]).narrow(0, 1, t.shape[0])
+    elif layout != "contiguous":
+        raise ValueError(f"unknown layout {layout!r}")
+    return t.detach().requires_grad_() if grad else t
+
+
+def opcheck(op, args) -> None:
+    """torch.library.opcheck's four checks of ``op`` on ``args``: schema, autograd
+    registration, fake tensor (every output's sizes, strides and dtype against the real one's)
+    and AOT dispatch with dynamic shapes (forward, and backward where inputs require grad)."""
+    torch.library.opcheck(op, args, test_utils=(
+        "test_schema", "test_autograd_registration", "test_faketensor",
+        "test_aot_dispatch_dynamic"))

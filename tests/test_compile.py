@@ -189,44 +189,6 @@ def test_backend_switch_after_compiling_recompiles():
         torch.testing.assert_close(compiled(x), expected)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("family", ["nat", "qna_vit", "san"])
-def test_the_cuda_backend_compiles_into_one_graph_equal_to_eager(family):
-    """attnzoo's kernels are custom ops: torch.compile(fullgraph=True) of a model on the cuda
-    backend captures each as one opaque call (in Dynamo's graph, forward and backward by AOT
-    autograd), never their host code, and gives eager's logits and gradients (under Triton's
-    interpreter without a GPU; compiled kernels on one)."""
-    from attnzoo import kernels
-    import tiny_models
-    if kernels.triton_missing():  # the floor's Triton is too old for the kernels
-        pytest.skip(kernels.triton_missing())
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = {"nat": lambda: tiny_models.nat(tiny_models.NAT_ONE_STAGE),
-             "qna_vit": lambda: tiny_models.qna_vit(**tiny_models.QNA_VIT_TWO_STAGES),
-             "san": lambda: tiny_models.san(**tiny_models.SAN_TWO_STAGES)}[family]()
-    model = model.train().to(device)
-    x = torch.randn(1, 3, 32, 32, device=device)
-    ops = set()
-
-    def recording(gm, example_inputs):
-        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g)(
-            gm, example_inputs)
-
-    params = list(model.parameters())
-    with attnzoo.use_backend("cuda"), attnzoo.backends.exact_fp32():
-        out_ref = model(x)
-        grads_ref = torch.autograd.grad(out_ref.square().sum(), params)
-        out = torch.compile(model, backend=recording, fullgraph=True)(x)
-        grads = torch.autograd.grad(out.square().sum(), params)
-    assert {op.split(".")[1] for op in ops if op.startswith("attnzoo.")} == {
-        "nat": {"na_fused"}, "qna_vit": {"qna_fused"},
-        "san": {"san_subtraction_fused", "san_aggregation_fused"}}[family], sorted(ops)
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    for g, g_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
-
-
 def test_san_compiles_its_aggregation_without_a_traced_tap_loop_equal_to_eager():
     """The torch reference's SAN aggregation under torch.compile: without autograd the unfolded
     product (one reduction whatever the footprint), with it the tap loops as opaque custom ops,

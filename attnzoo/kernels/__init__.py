@@ -27,7 +27,12 @@ them without a GPU).
 **Tuning.** :class:`Autotuner`: the fastest of a few launch configurations per key (shape,
 kernel size, dilation, head dim, dtype, device), timed once per process on the call's device
 (one whose compile fails is left out, with its reason logged); the first configuration without
-a GPU to time on, or with ``ATTNZOO_AUTOTUNE=0``.
+a GPU to time on, with ``ATTNZOO_AUTOTUNE=0``, or under ``torch.use_deterministic_algorithms``.
+
+**Determinism.** Every kernel is deterministic: no atomics; what several programs contribute to
+one value (the rpb and window-weight gradients) is written per program and summed afterwards
+by torch, in a fixed order. Two runs of a call with the same launch configuration are bitwise
+equal; under ``torch.use_deterministic_algorithms(True)`` the configuration is fixed too.
 
 **Verification.** The records of where each family's kernels passed their verification on a
 real GPU are data: ``verified.jsonl`` beside this module, one :class:`Verification` per line
@@ -266,8 +271,11 @@ class Autotuner:
     ``attnzoo.kernels``) or spill registers (unless all do), times the others with
     ``launch(config)`` (the launches must be idempotent: they rewrite the same outputs) and keeps
     the fastest. Without ``tune`` (the interpreter, CPU, tracing, ``ATTNZOO_AUTOTUNE=0``), the
-    first config, unless the key was tuned before. A compiler that aborts the process cannot be
-    caught here: scripts/gpu_verify.py runs each stage in a process of its own for that."""
+    first config, unless the key was tuned before. Under ``torch.use_deterministic_algorithms``
+    always the first config: configurations sum in different orders, and timings differ from
+    one process to the next, so a tuned choice would make two runs differ. A compiler that
+    aborts the process cannot be caught here: scripts/gpu_verify.py runs each stage in a process
+    of its own for that."""
 
     def __init__(self, bench: Callable[[Callable[[], Any]], float] = _bench_ms):
         self.bench = bench
@@ -275,6 +283,8 @@ class Autotuner:
 
     def choose(self, key: Hashable, configs: Sequence[Any], launch: Callable[..., Any],
                tune: bool) -> Any:
+        if torch.are_deterministic_algorithms_enabled():
+            return configs[0]
         if key in self.best:
             return self.best[key]
         if not tune or len(configs) == 1:

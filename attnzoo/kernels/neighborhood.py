@@ -472,10 +472,27 @@ def _launch(kernel: str, q: torch.Tensor, v: torch.Tensor, kernel_size, dilation
     launch(config)
 
 
-def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
+# What each pass returns, allocated here for the kernels and for the custom ops' fake
+# implementations alike, so that a compiled graph is told the very sizes, strides and dtypes the
+# kernels return: every output contiguous, whatever the inputs' strides.
+
+def _forward_outputs(q, v):
+    """o ``[B, H, W, heads, dv]`` in q's dtype and the log-sum-exp ``[B, heads, H, W]``."""
     B, H, W, heads, _ = q.shape
-    o = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-    lse = torch.empty((B, heads, H, W), device=q.device, dtype=torch.float32)
+    return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+            q.new_empty((B, heads, H, W), dtype=torch.float32))
+
+
+def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool):
+    """dq, dk, dv in their inputs' dtypes, and the rpb gradient in float32; an empty tensor
+    stands for a gradient not computed (a custom op returns no None)."""
+    return (q.new_empty(q.shape), k.new_empty(k.shape if kv_grad else 0),
+            v.new_empty(v.shape if kv_grad else 0),
+            q.new_empty(rpb.shape if rpb_grad else 0, dtype=torch.float32))
+
+
+def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
+    o, lse = _forward_outputs(q, v)
     _launch("fwd", q, v, kernel_size, dilation, rpb is not None, config,
             lambda grid, _, args, warmup: _run(
                 _na_fwd_kernel, grid, q, k, v, q if rpb is None else rpb, o, lse, *q.stride(),
@@ -487,7 +504,7 @@ def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
 def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_grad,
               need_kv_grad, config=None):
     KH, KW = kernel_size
-    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    dq, dk, dv, drpb = _backward_outputs(q, k, v, rpb, need_rpb_grad, need_kv_grad)
     delta = torch.empty_like(lse)
     n_rel = (2 * KH - 1) * (2 * KW - 1)
     rpb_arg = q if rpb is None else rpb  # a stand-in pointer, never read (HAS_RPB=False)
@@ -509,12 +526,10 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
                     _na_bwd_dkdv_kernel, grid, q, k, v, rpb_arg, do, lse, delta, dk, dv,
                     *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
                     *dv.stride(), qk_scale=scale * LOG2E, scale=scale, warmup=warmup, **args))
-    drpb = None
     if need_rpb_grad:
         B, heads = q.shape[0], q.shape[3]
-        drpb = partial[0].view(B, heads, -1, n_rel).sum((0, 2)).view(heads, 2 * KH - 1,
-                                                                     2 * KW - 1)
-    return dq, (dk if need_kv_grad else None), (dv if need_kv_grad else None), drpb
+        torch.sum(partial[0].view(B, heads, -1, n_rel), (0, 2), out=drpb.view(heads, n_rel))
+    return dq, dk, dv, drpb
 
 
 # The passes as custom ops (kernels.kernel_op: a compiled model never traces the autotuner, the
@@ -529,30 +544,22 @@ _na_op = kernel_op(
     "na_fused", _na_impl,
     "(Tensor q, Tensor k, Tensor v, Tensor? rpb, int[] kernel_size, int[] dilation, float scale, "
     "int[] config) -> (Tensor, Tensor)",
-    lambda q, k, v, *_: (q.new_empty(q.shape[:-1] + v.shape[-1:]),  # o, lse [B, heads, H, W]
-                         q.new_empty((q.shape[0], q.shape[3]) + q.shape[1:3],
-                                     dtype=torch.float32)))
+    lambda q, k, v, *_: _forward_outputs(q, v))
 
 
 def _na_backward_impl(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, rpb_grad,
                       kv_grad, config):
-    grads = _backward(do, q, k, v, rpb, o, lse, tuple(kernel_size), tuple(dilation), scale,
-                      rpb_grad, kv_grad, _config(config))
-    return tuple(q.new_empty(0) if g is None else g for g in grads)  # empty: not computed
-
-
-def _na_backward_fake(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, rpb_grad, kv_grad,
-                      config):
-    return (torch.empty_like(q), torch.empty_like(k) if kv_grad else q.new_empty(0),
-            torch.empty_like(v) if kv_grad else q.new_empty(0),
-            q.new_empty(rpb.shape, dtype=torch.float32) if rpb_grad else q.new_empty(0))
+    return _backward(do, q, k, v, rpb, o, lse, tuple(kernel_size), tuple(dilation), scale,
+                     rpb_grad, kv_grad, _config(config))
 
 
 _na_backward_op = kernel_op(
     "na_fused_backward", _na_backward_impl,
     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor? rpb, Tensor o, Tensor lse, "
     "int[] kernel_size, int[] dilation, float scale, bool rpb_grad, bool kv_grad, int[] config) "
-    "-> (Tensor, Tensor, Tensor, Tensor)", _na_backward_fake)
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    lambda do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, rpb_grad, kv_grad, config:
+    _backward_outputs(q, k, v, rpb, rpb_grad, kv_grad))
 
 
 def _config(ints) -> Optional[Config]:

@@ -274,12 +274,30 @@ def _g_strides(g: torch.Tensor, sum_queries: bool) -> tuple:
     return g.stride()
 
 
+# What each pass returns, allocated here for the kernels and for the custom ops' fake
+# implementations alike, so that a compiled graph is told the very sizes, strides and dtypes the
+# kernels return: every output contiguous, whatever the inputs' strides.
+
+def _forward_outputs(logits, v, stride, sum_queries):
+    """The output ``[B, Ho, Wo, (L,) heads, d]`` in v's dtype and the log-sum-exp
+    ``[B, Ho, Wo, L, heads]`` in float32."""
+    B, H, W, L, heads = logits.shape
+    Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
+    return (v.new_empty((B, Ho, Wo) + ((heads,) if sum_queries else (L, heads)) + v.shape[-1:]),
+            v.new_empty((B, Ho, Wo, L, heads), dtype=torch.float32))
+
+
+def _backward_outputs(logits, v, rpb):
+    """The gradients of logits and v in their dtypes, and of the rpb and window weights
+    (``[L, heads, k, k]``) in float32, stacked: ``[2, L, heads, k, k]``."""
+    return (logits.new_empty(logits.shape), v.new_empty(v.shape),
+            v.new_empty((2,) + rpb.shape, dtype=torch.float32))
+
+
 def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
     geo = _geometry(logits, v, kernel_size, stride, sum_queries)
-    B, L, heads, d = logits.shape[0], geo["L"], geo["heads"], geo["D"]
-    shape = (B, geo["Ho"], geo["Wo"]) + ((heads, d) if sum_queries else (L, heads, d))
-    o = v.new_empty(shape)
-    lse = torch.empty((B, geo["Ho"], geo["Wo"], L, heads), device=v.device, dtype=torch.float32)
+    B, heads = logits.shape[0], geo["heads"]
+    o, lse = _forward_outputs(logits, v, stride, sum_queries)
     launch_on_device(_qna_fwd_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"]), geo), logits, v,
                      rpb, ws, o, lse, *logits.stride(), *v.stride(), *_g_strides(o, sum_queries),
                      **geo)
@@ -294,37 +312,32 @@ def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries):
     launch_on_device(_qna_bwd_delta_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"]), geo),
                      logits, v, rpb, ws, g, lse, delta, *logits.stride(), *v.stride(), *g_strides,
                      **geo)
-    dlogits, dv = torch.empty_like(logits), torch.empty_like(v)
+    dlogits, dv, tables = _backward_outputs(logits, v, rpb)
     grid = _grid(B * heads, (geo["H"], geo["W"]), geo)
-    drpb, dws = (torch.empty((grid[0],) + rpb.shape[:1] + rpb.shape[2:], device=v.device,
-                             dtype=torch.float32) for _ in range(2))  # [programs, L, k, k]
+    L, k = geo["L"], kernel_size
+    partial = torch.empty((2, grid[0], L, k, k), device=v.device, dtype=torch.float32)
     launch_on_device(_qna_bwd_keys_kernel, grid, logits, v, rpb, ws, g, lse, delta, dlogits, dv,
-                     drpb, dws, *logits.stride(), *v.stride(), *g_strides, *dlogits.stride(),
-                     *dv.stride(), **geo)
-    # each program's tables belong to its (batch, head): programs are batch-head major
-    per_head = lambda t: t.view(B, heads, -1, *t.shape[1:]).sum((0, 2)).transpose(0, 1)  # noqa
-    return dlogits, dv, per_head(drpb), per_head(dws)
+                     partial[0], partial[1], *logits.stride(), *v.stride(), *g_strides,
+                     *dlogits.stride(), *dv.stride(), **geo)
+    # each program's tables belong to its (batch, head): programs are batch-head major; summed
+    # into [2, L, heads, k, k] seen as [2, heads, L, k, k]
+    torch.sum(partial.view(2, B, heads, -1, L, k, k), (1, 3), out=tables.transpose(1, 2))
+    return dlogits, dv, tables
 
 
 # The passes as custom ops (kernels.kernel_op), forward and backward.
 
-def _qna_fake(logits, v, rpb, ws, kernel_size, stride, sum_queries):
-    geo = _geometry(logits, v, kernel_size, stride, sum_queries)
-    B, L, heads, d = logits.shape[0], geo["L"], geo["heads"], geo["D"]
-    shape = (B, geo["Ho"], geo["Wo"]) + ((heads, d) if sum_queries else (L, heads, d))
-    return v.new_empty(shape), v.new_empty((B, geo["Ho"], geo["Wo"], L, heads),
-                                           dtype=torch.float32)
-
-
 _qna_op = kernel_op(
     "qna_fused", _forward,
     "(Tensor logits, Tensor v, Tensor rpb, Tensor ws, int kernel_size, int stride, "
-    "bool sum_queries) -> (Tensor, Tensor)", _qna_fake)
+    "bool sum_queries) -> (Tensor, Tensor)",
+    lambda logits, v, rpb, ws, kernel_size, stride, sum_queries: _forward_outputs(
+        logits, v, stride, sum_queries))
 _qna_backward_op = kernel_op(
     "qna_fused_backward", _backward,
     "(Tensor g, Tensor logits, Tensor v, Tensor rpb, Tensor ws, Tensor lse, int kernel_size, "
-    "int stride, bool sum_queries) -> (Tensor, Tensor, Tensor, Tensor)",
-    lambda g, *inputs: tuple(torch.empty_like(t) for t in inputs[:4]))
+    "int stride, bool sum_queries) -> (Tensor, Tensor, Tensor)",
+    lambda g, logits, v, rpb, *_: _backward_outputs(logits, v, rpb))
 
 
 def _setup_context(ctx, inputs, output):
@@ -334,7 +347,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, g, _):
-    return _qna_backward_op(g, *ctx.saved_tensors, *ctx.args) + (None,) * 3
+    dlogits, dv, tables = _qna_backward_op(g, *ctx.saved_tensors, *ctx.args)
+    return (dlogits, dv, tables[0], tables[1]) + (None,) * 3
 
 
 _qna_op.register_autograd(_autograd_backward, setup_context=_setup_context)

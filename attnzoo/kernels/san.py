@@ -298,10 +298,33 @@ def _out_size(fp, H: int, W: int):
     return (H - 1) // fp.stride[0] + 1, (W - 1) // fp.stride[1] + 1
 
 
+# What each pass returns, allocated here for the kernels and for the custom ops' fake
+# implementations alike, so that a compiled graph is told the very sizes, strides and dtypes the
+# kernels return: every output contiguous, whatever the inputs' strides.
+
+def _output(x, fp, channels: int, taps: int = 0):
+    """An output of ``x``'s batch on ``fp``'s output grid: [N, channels, taps, Ho * Wo], or
+    [N, channels, Ho, Wo] without taps."""
+    N, _, H, W = x.shape
+    Ho, Wo = _out_size(fp, H, W)
+    return x.new_empty((N, channels, taps, Ho * Wo) if taps else (N, channels, Ho, Wo))
+
+
+def _subtraction_grads_out(g, shape, same: bool):
+    """dx1, and dx2 (empty with ``same``: the kernel sums both gradients into dx1)."""
+    return g.new_empty(shape), g.new_empty(0 if same else shape)
+
+
+def _aggregation_grads_out(x, weight, x_grad: bool, weight_grad: bool):
+    """dx and dweight, each empty where not asked for."""
+    return (x.new_empty(x.shape if x_grad else 0),
+            weight.new_empty(weight.shape if weight_grad else 0))
+
+
 def _subtraction_forward(x1, x2, fp):
     N, C, H, W = x1.shape
     Ho, Wo = _out_size(fp, H, W)
-    out = x1.new_empty(N, C, fp.taps, Ho * Wo)
+    out = _output(x1, fp, C, fp.taps)
     if x1.stride() != x2.stride():  # the kernel addresses both with one set of strides
         x1, x2 = x1.contiguous(), x2.contiguous()
     launch_on_device(_subtraction_fwd_kernel, _grid(N, C, Ho, Wo), x1, x2, out, *x1.stride(),
@@ -312,8 +335,7 @@ def _subtraction_forward(x1, x2, fp):
 def _subtraction_backward(g, shape, fp, same: bool):
     N, C, H, W = shape
     Ho, Wo = _out_size(fp, H, W)
-    dx1 = g.new_empty(shape)
-    dx2 = g.new_empty(0 if same else shape)  # same: the kernel sums both gradients into dx1
+    dx1, dx2 = _subtraction_grads_out(g, shape, same)
     launch_on_device(_subtraction_bwd_kernel, _grid(N, C, H, W), g, dx1, dx1 if same else dx2,
                      *g.stride(), C, H, W, Ho, Wo, SAME=same, **_geometry(fp, C))
     return dx1, dx2
@@ -322,7 +344,7 @@ def _subtraction_backward(g, shape, fp, same: bool):
 def _aggregation_forward(x, weight, fp):
     N, C, H, W = x.shape
     Ho, Wo = _out_size(fp, H, W)
-    out = x.new_empty(N, C, Ho, Wo)
+    out = _output(x, fp, C)
     launch_on_device(_aggregation_fwd_kernel, _grid(N, C, Ho, Wo), x, weight, out, *x.stride(),
                      *weight.stride(), C, weight.shape[1], H, W, Ho, Wo, **_geometry(fp, C))
     return out
@@ -333,11 +355,10 @@ def _aggregation_backward(go, x, weight, fp, x_grad: bool, weight_grad: bool):
     N, C, H, W = x.shape
     Cw = weight.shape[1]
     Ho, Wo = _out_size(fp, H, W)
-    dw = weight.new_empty(weight.shape if weight_grad else 0)  # [N, Cw, taps, Ho * Wo]
+    dx, dw = _aggregation_grads_out(x, weight, x_grad, weight_grad)  # dw [N, Cw, taps, Ho * Wo]
     if weight_grad:
         launch_on_device(_aggregation_bwd_weight_kernel, _grid(N, Cw, Ho, Wo), x, go, dw,
                          *x.stride(), *go.stride(), C, Cw, H, W, Ho, Wo, **_geometry(fp, Cw))
-    dx = x.new_empty(x.shape if x_grad else 0)
     if x_grad:
         launch_on_device(_aggregation_bwd_input_kernel, _grid(N, C, H, W), weight, go, dx,
                          *weight.stride(), *go.stride(), C, Cw, H, W, Ho, Wo, **_geometry(fp, C))
@@ -369,14 +390,6 @@ def _fields(fp) -> tuple:
             list(fp.padding))
 
 
-def _fake_out(x, fp, channels: int, taps: int = 0):
-    """An output of ``x``'s batch on ``fp``'s output grid: [N, channels, taps, Ho * Wo], or
-    [N, channels, Ho, Wo] without taps."""
-    N, _, H, W = x.shape
-    Ho, Wo = _out_size(fp, H, W)
-    return x.new_empty((N, channels, taps, Ho * Wo) if taps else (N, channels, Ho, Wo))
-
-
 def _subtraction_impl(x1, x2, *footprint):
     return _subtraction_forward(x1, x1 if x2 is None else x2, _footprint(*footprint))
 
@@ -387,7 +400,7 @@ def _subtraction_backward_impl(g, shape, same, *footprint):
 
 def _subtraction_fake(x1, x2, *footprint):
     fp = _footprint(*footprint)
-    return _fake_out(x1, fp, x1.shape[1], fp.taps)
+    return _output(x1, fp, x1.shape[1], fp.taps)
 
 
 _subtraction_op = kernel_op("san_subtraction_fused", _subtraction_impl,
@@ -395,7 +408,7 @@ _subtraction_op = kernel_op("san_subtraction_fused", _subtraction_impl,
 _subtraction_backward_op = kernel_op(
     "san_subtraction_fused_backward", _subtraction_backward_impl,
     f"(Tensor g, int[] shape, bool same, {_FOOTPRINT}) -> (Tensor, Tensor)",
-    lambda g, shape, same, *_: (g.new_empty(shape), g.new_empty(0 if same else shape)))
+    lambda g, shape, same, *_: _subtraction_grads_out(g, shape, same))
 
 
 def _subtraction_setup(ctx, inputs, output):
@@ -422,14 +435,13 @@ def _aggregation_backward_impl(go, x, weight, x_grad, weight_grad, *footprint):
 _aggregation_op = kernel_op(
     "san_aggregation_fused", _aggregation_impl,
     f"(Tensor x, Tensor weight, {_FOOTPRINT}) -> Tensor",
-    lambda x, weight, *footprint: _fake_out(x, _footprint(*footprint), x.shape[1]))
+    lambda x, weight, *footprint: _output(x, _footprint(*footprint), x.shape[1]))
 _aggregation_backward_op = kernel_op(
     "san_aggregation_fused_backward", _aggregation_backward_impl,
     f"(Tensor go, Tensor x, Tensor weight, bool x_grad, bool weight_grad, {_FOOTPRINT}) "
     "-> (Tensor, Tensor)",
-    lambda go, x, weight, x_grad, weight_grad, *_: (x.new_empty(x.shape if x_grad else 0),
-                                                     weight.new_empty(weight.shape if weight_grad
-                                                                      else 0)))
+    lambda go, x, weight, x_grad, weight_grad, *_: _aggregation_grads_out(x, weight, x_grad,
+                                                                           weight_grad))
 
 
 def _aggregation_setup(ctx, inputs, output):

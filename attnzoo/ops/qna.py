@@ -273,13 +273,14 @@ def _backward(grad, logits, v, rpb, ws, stride: int, sum_queries: bool):
 
 # Custom ops: torch.compile and torch.fx see one opaque call each way, so the data-dependent
 # choice of form never enters a graph. Autocast is off inside (the convolutions would otherwise
-# run in half precision); nothing here needs autograd.
+# run in half precision); nothing here needs autograd. Their outputs are contiguous, as their
+# fake implementations state (a compiled graph is told those strides).
 
 @torch.library.custom_op("attnzoo::qna2d", mutates_args=())
 def _qna2d_op(logits: torch.Tensor, v: torch.Tensor, rpb: torch.Tensor, ws: torch.Tensor,
               stride: int, sum_queries: bool) -> torch.Tensor:
     with torch.autocast(v.device.type, enabled=False):
-        return _forward(logits, v, rpb, ws, stride, sum_queries).to(v.dtype)
+        return _forward(logits, v, rpb, ws, stride, sum_queries).to(v.dtype).contiguous()
 
 
 @_qna2d_op.register_fake
@@ -295,12 +296,13 @@ def _qna2d_backward_op(grad: torch.Tensor, logits: torch.Tensor, v: torch.Tensor
                        rpb: torch.Tensor, ws: torch.Tensor, stride: int, sum_queries: bool
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     with torch.autocast(v.device.type, enabled=False):
-        return _backward(grad, logits, v, rpb, ws, stride, sum_queries)
+        return tuple(g.contiguous() for g in _backward(grad, logits, v, rpb, ws, stride,
+                                                        sum_queries))
 
 
 @_qna2d_backward_op.register_fake
 def _(grad, logits, v, rpb, ws, stride, sum_queries):
-    return tuple(torch.empty_like(t) for t in (logits, v, rpb, ws))
+    return tuple(t.new_empty(t.shape) for t in (logits, v, rpb, ws))
 
 
 def _setup_context(ctx, inputs, output):

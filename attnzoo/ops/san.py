@@ -143,10 +143,29 @@ def _reflect_in_float32(x: torch.Tensor) -> bool:
             and x.device.type == "cpu")
 
 
+def _reflection_index(H: int, W: int, fp: Footprint, device: torch.device) -> torch.Tensor:
+    """The reflection-padded map's positions as positions of the row-major flattened map,
+    ``[(H + 2 ph) * (W + 2 pw)]``."""
+    def axis(n, p):
+        pos = torch.arange(-p, n + p, device=device).abs()
+        return torch.where(pos > n - 1, 2 * (n - 1) - pos, pos)
+    return (axis(H, fp.padding[0]).view(-1, 1) * W + axis(W, fp.padding[1])).reshape(-1)
+
+
+def _deterministic_reflection(fp: Footprint) -> bool:
+    # F.pad's reflection has no deterministic backward on CUDA (torch refuses it under
+    # torch.use_deterministic_algorithms); a gather's backward (index_add) has one
+    return fp.padding_mode == "reflect" and torch.are_deterministic_algorithms_enabled()
+
+
 def _pad(x: torch.Tensor, fp: Footprint) -> torch.Tensor:
     ph, pw = fp.padding
     if fp.padding_mode != "reflect":
         return F.pad(x, (pw, pw, ph, ph))
+    if _deterministic_reflection(fp):
+        N, C, H, W = x.shape
+        index = _reflection_index(H, W, fp, x.device)
+        return x.flatten(2).index_select(2, index).view(N, C, H + 2 * ph, W + 2 * pw)
     if _reflect_in_float32(x):
         return F.pad(x.float(), (pw, pw, ph, ph), mode="reflect").to(x.dtype)
     return F.pad(x, (pw, pw, ph, ph), mode="reflect")
@@ -266,7 +285,10 @@ def _aggregate_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.T
         for t, (rows, cols) in _taps(fp, Ho, Wo):
             gxp[..., rows, cols].addcmul_(w[:, :, :, t], go)
         gxp = gxp.view(N, C, H + 2 * ph, W + 2 * pw)
-        if fp.padding_mode == "reflect":  # fold the reflected taps back onto their sources
+        if _deterministic_reflection(fp):  # fold the reflected taps back onto their sources
+            grad_x = x.new_zeros(N, C, H * W).index_add_(
+                2, _reflection_index(H, W, fp, x.device), gxp.flatten(2)).view(N, C, H, W)
+        elif fp.padding_mode == "reflect":
             if _reflect_in_float32(x):
                 grad_x = torch.ops.aten.reflection_pad2d_backward(
                     gxp.float(), x.float(), [pw, pw, ph, ph]).to(x.dtype)
