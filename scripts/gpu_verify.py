@@ -1062,6 +1062,7 @@ def worker_warm(stage: Stage) -> None:
     from attnzoo.kernels import neighborhood as kn
     from attnzoo.ops import na2d
     kn._TUNER.bench = lambda fn: 0.0  # compile every configuration, time none
+    kn._TUNER.store = None  # and keep no such untimed choice on disk
     kind, _, what = stage.arg.partition(":")
     dtype = torch.float32 if stage.dry else torch.bfloat16
     if kind == "na":

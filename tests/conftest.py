@@ -90,12 +90,14 @@ from timm_suite import plugin as _timm_suite_plugin  # noqa: E402
 @pytest.fixture(autouse=True)
 def backend_state(request, monkeypatch):
     """A clean backend state before and after every test (see the module docstring); in tests
-    marked ``interpreter``, on a machine without a GPU, TRITON_INTERPRET=1 too. No kernel
+    marked ``interpreter``, on a machine without a GPU, TRITON_INTERPRET=1 too. No autotune
+    cache on disk (tests/test_autotune_cache.py names its own). No kernel
     verification record either (neither the package's nor ATTNZOO_VERIFIED_KERNELS'): a test
     that needs one writes it (the ``kernel_records`` fixture), so what ``auto`` picks on a GPU
     does not change with the records the package ships."""
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     monkeypatch.delenv(kernels.RECORDS_ENV, raising=False)
+    monkeypatch.setenv(kernels.TUNING_CACHE_ENV, "0")  # no autotune choice read or kept on disk
     monkeypatch.setattr(kernels, "RECORDS_FILE", Path(os.devnull))
     if request.node.get_closest_marker("interpreter") and not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")

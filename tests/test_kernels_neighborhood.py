@@ -511,12 +511,13 @@ def test_autotuner_keeps_the_fastest_config_that_compiles_and_fits_without_spill
 
     tuner = kernels.Autotuner(bench=lambda fn: fn() or times[launched[-1]])
     with caplog.at_level(logging.WARNING, logger="attnzoo.kernels"):
-        # c spills, d does not fit, e does not compile (its reason logged)
-        assert tuner.choose("key", "abcde", launch, tune=True) == "b"
+        # c spills, e does not compile (its reason logged); d does not fit
+        assert tuner.choose("key", "abce", launch, tune=True) == "b"
+        assert tuner.choose("fits", "db", launch, tune=True) == "b"
     assert "configuration e of key does not compile, left out: RuntimeError: PassManager::run " \
            "failed" in caplog.text and "MLIR dump" not in caplog.text
-    assert sorted(launched) == ["a", "b"]
-    assert tuner.choose("key", "abcd", launch, tune=True) == "b" and len(launched) == 2  # cached
+    assert sorted(launched) == ["a", "b", "b"]
+    assert tuner.choose("key", "abcd", launch, tune=True) == "b" and len(launched) == 3  # cached
     assert tuner.choose("other", "abcd", launch, tune=False) == "a"  # untuned: the default
     compiled["a"] = compiled["b"] = _Compiled(16)
     assert tuner.choose("spilling", "abcd", launch, tune=True) == "c"  # all spill: the fewest

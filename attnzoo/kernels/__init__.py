@@ -25,9 +25,11 @@ cached per index, never the current device's.
 them without a GPU).
 
 **Tuning.** :class:`Autotuner`: the fastest of a few launch configurations per key (shape,
-kernel size, dilation, head dim, dtype, device), timed once per process on the call's device
-(one whose compile fails is left out, with its reason logged); the first configuration without
-a GPU to time on, with ``ATTNZOO_AUTOTUNE=0``, or under ``torch.use_deterministic_algorithms``.
+kernel size, dilation, head dim, dtype, device), timed on the call's device (one whose compile
+fails is left out, with its reason logged) and kept on disk (:class:`TuningStore`, per GPU,
+Triton and attnzoo version), so that it is timed once per machine, not once per process; the
+first configuration without a GPU to time on, with ``ATTNZOO_AUTOTUNE=0``, or under
+``torch.use_deterministic_algorithms``.
 
 **Determinism.** Every kernel is deterministic: no atomics; what several programs contribute to
 one value (the rpb and window-weight gradients) is written per program and summed afterwards
@@ -60,10 +62,12 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Op
 from typing import Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
            "Autotuner", "Verification", "records", "record_files", "verified", "unverified",
-           "launch_on_device", "capture_launches", "capturing", "kernel_op"]
+           "launch_on_device", "capture_launches", "capturing", "kernel_op", "eager", "can_tune", "will_tune", "TuningStore",
+           "tuning_cache_path", "tuning_scope"]
 
 _logger = logging.getLogger(__name__)
 
@@ -218,8 +222,7 @@ def capturing(*tensors: torch.Tensor) -> bool:
     """Whether :func:`capture_launches` is active and ``tensors`` are plain meta tensors (not
     the fake tensors of a torch.compile trace): a custom op's fake implementation then runs the
     host code, whose launches are captured."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    return _captured is not None and not any(isinstance(t, FakeTensor) for t in tensors)
+    return _captured is not None and not any(isinstance(t, _FakeTensor) for t in tensors)
 
 
 def kernel_op(name: str, impl: Callable[..., Any], schema: str,
@@ -237,14 +240,31 @@ def kernel_op(name: str, impl: Callable[..., Any], schema: str,
     return op
 
 
+def eager(tensor: torch.Tensor) -> bool:
+    """Whether a family's call on ``tensor`` takes its eager path, an ``autograd.Function``
+    calling the host code directly (the custom op's dispatch costs some 20 us a call each way):
+    not while torch.compile traces, which must see the custom op, and a plain tensor (not the
+    fake or functional tensors of a trace), on a real device or on meta while launches are
+    captured (elsewhere a meta tensor goes to the op's fake implementation)."""
+    if torch.compiler.is_compiling() or type(tensor) not in _PLAIN:
+        return False
+    return tensor.device.type != "meta" or _captured is not None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
     """Launch Triton ``kernel`` on the device of its first argument (Triton launches on the
-    current CUDA device, so the launch is guarded), or record it (:func:`capture_launches`).
+    current CUDA device, so a launch on another one is guarded), or record it
+    (:func:`capture_launches`).
     ``warmup``: compile only, and return the compiled kernel (the autotuner reads its spills)."""
     if _captured is not None:
         _captured.append((kernel, grid, args, kwargs))
         return None
-    with torch.cuda.device(args[0].device) if args[0].is_cuda else contextlib.nullcontext():
+    device = args[0].device
+    guard = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if guard else contextlib.nullcontext():
         if warmup:
             return kernel.warmup(*args, grid=grid, **kwargs)
         kernel[grid](*args, **kwargs)
@@ -277,18 +297,34 @@ class Autotuner:
     aborts the process cannot be caught here: scripts/gpu_verify.py runs each stage in a process
     of its own for that."""
 
-    def __init__(self, bench: Callable[[Callable[[], Any]], float] = _bench_ms):
+    def __init__(self, bench: Callable[[Callable[[], Any]], float] = _bench_ms,
+                 store: Optional["TuningStore"] = None):
         self.bench = bench
+        self.store = store
         self.best: Dict[Hashable, Any] = {}
 
     def choose(self, key: Hashable, configs: Sequence[Any], launch: Callable[..., Any],
-               tune: bool) -> Any:
+               tune: bool, scope: str = "") -> Any:
+        """``scope``: what the choice holds for besides ``key`` (the GPU, Triton and attnzoo:
+        :func:`tuning_scope`), under which the store keeps it."""
         if torch.are_deterministic_algorithms_enabled():
             return configs[0]
         if key in self.best:
             return self.best[key]
         if not tune or len(configs) == 1:
             return configs[0]
+        configs = list(configs)[:MAX_CONFIGS]
+        stored = self.store.get(scope, key) if self.store is not None else None
+        if stored is not None and stored < len(configs):  # chosen by an earlier process
+            self.best[key] = configs[stored]
+            return self.best[key]
+        best = self._time(key, configs, launch)
+        self.best[key] = best
+        if self.store is not None:
+            self.store.put(scope, key, configs.index(best))
+        return best
+
+    def _time(self, key, configs, launch):
         from triton.runtime.errors import OutOfResources
         spills, failed = {}, []
         for i, config in enumerate(configs):
@@ -310,19 +346,114 @@ class Autotuner:
         fewest = min(spills.values())
         times = {i: self.bench(lambda: launch(configs[i])) for i, n in spills.items()
                  if n == fewest}
-        self.best[key] = configs[min(times, key=times.get)]
-        return self.best[key]
+        return configs[min(times, key=times.get)]
+
+
+# Configurations a key tries at most (compiled, then timed): NA's spaces have 3 or 4.
+MAX_CONFIGS = 4
+TUNING_CACHE_ENV = "ATTNZOO_AUTOTUNE_CACHE"
+_TUNING_FORMAT = "attnzoo autotune 1"
+
+
+def tuning_cache_path() -> Optional[Path]:
+    """Where the autotuner's choices persist: ``ATTNZOO_AUTOTUNE_CACHE`` (a file; ``0`` keeps
+    them in the process only), else ``attnzoo_autotune.json`` in Triton's own cache folder
+    (``TRITON_CACHE_DIR``, default ``~/.triton/cache``)."""
+    where = os.environ.get(TUNING_CACHE_ENV, "").strip()
+    if where == "0":
+        return None
+    if where:
+        return Path(where).expanduser()
+    triton_cache = os.environ.get("TRITON_CACHE_DIR", "").strip()
+    return (Path(triton_cache) if triton_cache else Path.home() / ".triton" / "cache") / \
+        "attnzoo_autotune.json"
+
+
+def tuning_scope(device: torch.device) -> str:
+    """What a tuned choice holds for besides its call key: the GPU (name and architecture),
+    Triton's version and attnzoo's. A choice made under another scope is never used."""
+    from .. import __version__
+    info = device_info(str(device))
+    return f"{info.name} {info.arch} triton {triton_version()} attnzoo {__version__}"
+
+
+class TuningStore:
+    """The autotuner's choices on disk (:func:`tuning_cache_path`), so that a second process's
+    first step compiles and times nothing: per scope (:func:`tuning_scope`) and call key, the
+    index of the chosen configuration in the key's space. Read once per process; each new
+    choice is merged into the file as it is then (other processes write it too) and written
+    whole, atomically. A file that cannot be read, is not JSON or is not this format is
+    ignored, with one warning; one that cannot be written, likewise."""
+
+    def __init__(self, path: Callable[[], Optional[Path]] = tuning_cache_path):
+        self.path = path
+        self.entries: Optional[Dict[str, Dict[str, int]]] = None
+
+    def get(self, scope: str, key: Hashable) -> Optional[int]:
+        if self.entries is None:
+            self.entries = self._read(self.path())
+        index = self.entries.get(scope, {}).get(repr(key))
+        return index if isinstance(index, int) and index >= 0 else None
+
+    def put(self, scope: str, key: Hashable, index: int) -> None:
+        path = self.path()
+        if self.entries is None:
+            self.entries = {}
+        self.entries.setdefault(scope, {})[repr(key)] = index
+        if path is None:
+            return
+        merged = self._read(path, quiet=True)
+        for name, choices in self.entries.items():
+            merged.setdefault(name, {}).update(choices)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"format": _TUNING_FORMAT, "entries": merged}, indent=0))
+            os.replace(tmp, path)
+        except OSError as e:
+            _warn_once(f"attnzoo: cannot write the autotune cache {path} ({e.strerror}); "
+                       f"choices are kept for this process only (set {TUNING_CACHE_ENV})")
+
+    @staticmethod
+    def _read(path: Optional[Path], quiet: bool = False) -> Dict[str, Dict[str, int]]:
+        if path is None or not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("format") != _TUNING_FORMAT or \
+                    not isinstance(data.get("entries"), dict):
+                raise ValueError(f"not an attnzoo autotune cache ({_TUNING_FORMAT!r})")
+            return {scope: dict(choices) for scope, choices in data["entries"].items()
+                    if isinstance(choices, dict)}
+        except (OSError, ValueError) as e:
+            if not quiet:
+                from ..profiling import first_line
+                _warn_once(f"attnzoo: ignoring the autotune cache {path}: {first_line(e)}")
+            return {}
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    _logger.warning(message)
 
 
 AUTOTUNE_ENV = "ATTNZOO_AUTOTUNE"
 
 
-def can_tune(device: torch.device) -> bool:
-    """Whether launches on ``device`` may be timed now (see :class:`Autotuner`);
-    ``ATTNZOO_AUTOTUNE=0`` turns tuning off (each launch takes its default configuration)."""
-    return (device.type == "cuda" and not _interpreted() and not torch.compiler.is_compiling()
-            and not torch.cuda.is_current_stream_capturing()
+def will_tune(device: torch.device) -> bool:
+    """Whether launches on ``device`` are timed at all, now or by a later call: compiled kernels
+    on a CUDA device, ``ATTNZOO_AUTOTUNE`` not ``0``, deterministic algorithms off."""
+    return (device.type == "cuda" and not _interpreted()
+            and not torch.are_deterministic_algorithms_enabled()
             and os.environ.get(AUTOTUNE_ENV, "1").strip() != "0")
+
+
+def can_tune(device: torch.device) -> bool:
+    """Whether launches on ``device`` may be timed now (see :class:`Autotuner`): as
+    :func:`will_tune`, and neither tracing (torch.compile) nor capturing a CUDA graph;
+    ``ATTNZOO_AUTOTUNE=0`` turns tuning off (each launch takes its default configuration)."""
+    return (will_tune(device) and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing())
 
 
 # ---------------------------------------------------------------------------------------------

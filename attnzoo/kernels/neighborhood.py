@@ -28,14 +28,14 @@ scripts/compile_kernels.py checks against every compiled launch) against the dev
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import (Autotuner, KernelLimits, can_tune, device_info, kernel_op, launch_on_device,
-               tiling)
+from . import (Autotuner, KernelLimits, TuningStore, can_tune, device_info, eager, kernel_op,
+               launch_on_device, tiling, tuning_scope, will_tune)
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, store_rows, tile_positions,
@@ -428,7 +428,7 @@ def support(device: str, dtype: torch.dtype, head_dim: int, v_dim: int,
                                            backward)) or None
 
 
-_TUNER = Autotuner()
+_TUNER = Autotuner(store=TuningStore())
 
 
 def _run(kernel, grid, *args, warmup=False, **kwargs):
@@ -437,39 +437,66 @@ def _run(kernel, grid, *args, warmup=False, **kwargs):
     return launch_on_device(kernel, grid, *args, warmup=warmup, **kwargs)
 
 
+# A call key's launch plan: (grid, config, the arguments every kernel takes besides tensors and
+# strides), computed once per key (plans: the host code's per-call work is the key's lookup).
+_PLANS: Dict[tuple, Tuple[tuple, Config, dict]] = {}
+
+
 def _launch(kernel: str, q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool,
             config: Optional[Config], run: Callable[..., Any]) -> None:
     """Launch ``kernel`` for this call: ``run(grid, config, args, warmup)`` with the geometry
     and constexprs every kernel takes. ``config`` forces one; else the autotuner's choice among
     :func:`configs` for this shape, kernel size, dilation, head dims, dtype, precision and
-    device."""
+    device. The plan is computed once per key: ``_PLANS``."""
+    precision = dot_precision(q.dtype, tiling.INTERPRETED)
+    key = (kernel, q.shape, v.shape[-1], kernel_size, dilation, q.dtype, precision, has_rpb,
+           q.device, config, torch.are_deterministic_algorithms_enabled())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(kernel, q, v, kernel_size, dilation, has_rpb, precision, config, run, key)
+    grid, config, args = plan
+    run(grid, config, args, False)
+
+
+def _plan(kernel, q, v, kernel_size, dilation, has_rpb, precision, config, run, key):
+    """The launch plan of a call key (:func:`_launch`), kept in ``_PLANS`` once final: a forced
+    configuration, a tuned one, or the default where no timing will ever take place."""
     B, H, W, heads, D = q.shape
     KH, KW = kernel_size
-    BD, BDV = pow2(D), pow2(v.shape[-1])
-    precision = dot_precision(q.dtype, tiling.INTERPRETED)
 
-    def launch(config: Config, warmup: bool = False) -> Any:
+    def plan_of(config: Config) -> Tuple[tuple, Config, dict]:
         t = config.tiling
         if not (t.TH * t.TW >= 16 and t.BN >= 16 and all(n & (n - 1) == 0 for n in t)):
             raise ValueError(f"{t}: tiles and blocks must be powers of two of >= 16 positions")
         tiles_y, tiles_x = grid_tiles((H, W), dilation, (t.TH, t.TW))
         args = dict(heads=heads, H=H, W=W, D=D, DV=v.shape[-1], DIL_Y=dilation[0],
                     DIL_X=dilation[1], tiles_y=tiles_y, tiles_x=tiles_x, KH=KH, KW=KW,
-                    TH=t.TH, TW=t.TW, BN=t.BN, BD=BD, BDV=BDV, HAS_RPB=has_rpb,
-                    NREL=pow2((2 * KH - 1) * (2 * KW - 1), 1) if has_rpb else 1,
+                    TH=t.TH, TW=t.TW, BN=t.BN, BD=pow2(D), BDV=pow2(v.shape[-1]),
+                    HAS_RPB=has_rpb, NREL=pow2((2 * KH - 1) * (2 * KW - 1), 1) if has_rpb else 1,
                     PRECISION=precision, num_warps=config.num_warps,
                     num_stages=config.num_stages)
-        grid = (B * heads * dilation[0] * dilation[1] * tiles_y * tiles_x,)
-        return run(grid, config, args, warmup)
+        if kernel == "dq":  # the rpb gradient's fold (see _na_bwd_dq_kernel)
+            args.update(RY=pow2(2 * KH - 1), CX=pow2(2 * KW - 1),
+                        R=_rows_per_block(t, kernel_size))
+        return (B * heads * dilation[0] * dilation[1] * tiles_y * tiles_x,), config, args
 
+    final = config is not None
     if config is None:
         compiled = q.is_cuda and not tiling.INTERPRETED
         limit = device_info(str(q.device)).shared_memory if compiled else None
         space = configs(kernel, (H, W), kernel_size, dilation, (D, v.shape[-1]), q.dtype, limit)
-        key = (kernel, (H, W), kernel_size, dilation, D, v.shape[-1], q.dtype, precision,
-               has_rpb, str(q.device))
-        config = _TUNER.choose(key, space, launch, can_tune(q.device))
-    launch(config)
+        tune_key = (kernel, (H, W), kernel_size, dilation, D, v.shape[-1], q.dtype, precision,
+                    has_rpb, str(q.device))
+        tune = can_tune(q.device)
+        config = _TUNER.choose(tune_key, space,
+                               lambda c, warmup=False: run(*plan_of(c), warmup), tune,
+                               tuning_scope(q.device) if tune else "")
+        # untuned where a later call may tune (while tracing or capturing a CUDA graph): not final
+        final = tune or tune_key in _TUNER.best or not will_tune(q.device)
+    plan = plan_of(config)
+    if final:
+        _PLANS[key] = plan
+    return plan
 
 
 # What each pass returns, allocated here for the kernels and for the custom ops' fake
@@ -505,21 +532,23 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
               need_kv_grad, config=None):
     KH, KW = kernel_size
     dq, dk, dv, drpb = _backward_outputs(q, k, v, rpb, need_rpb_grad, need_kv_grad)
-    delta = torch.empty_like(lse)
     n_rel = (2 * KH - 1) * (2 * KW - 1)
     rpb_arg = q if rpb is None else rpb  # a stand-in pointer, never read (HAS_RPB=False)
-    partial = []  # one rpb-gradient table per program of the last launch, summed below
+    # delta (rowsum(dO * O), [B, heads, H, W]) and one rpb-gradient table per program of the
+    # last dq launch (summed below), in one allocation
+    scratch = []
 
     def run_dq(grid, config, args, warmup):
-        partial[:] = [torch.empty((grid[0] if need_rpb_grad else 1, n_rel), device=q.device,
-                                  dtype=torch.float32)]
-        return _run(_na_bwd_dq_kernel, grid, q, k, v, rpb_arg, o, do, lse, delta, dq, partial[0],
-                    *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-                    *dq.stride(), qk_scale=scale * LOG2E, scale=scale, RY=pow2(2 * KH - 1),
-                    CX=pow2(2 * KW - 1), R=_rows_per_block(config.tiling, kernel_size),
+        rows = grid[0] if need_rpb_grad else 1
+        buffer = torch.empty(lse.numel() + rows * n_rel, device=q.device, dtype=torch.float32)
+        scratch[:] = [buffer[:lse.numel()].view(lse.shape), buffer[lse.numel():].view(rows, n_rel)]
+        return _run(_na_bwd_dq_kernel, grid, q, k, v, rpb_arg, o, do, lse, scratch[0], dq,
+                    scratch[1], *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                    *do.stride(), *dq.stride(), qk_scale=scale * LOG2E, scale=scale,
                     RPB_GRAD=need_rpb_grad, warmup=warmup, **args)
 
     _launch("dq", q, v, kernel_size, dilation, rpb is not None, config, run_dq)
+    delta, partial = scratch
     if need_kv_grad:  # after dq, which writes delta
         _launch("dkdv", q, v, kernel_size, dilation, rpb is not None, config,
                 lambda grid, _, args, warmup: _run(
@@ -528,7 +557,7 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
                     *dv.stride(), qk_scale=scale * LOG2E, scale=scale, warmup=warmup, **args))
     if need_rpb_grad:
         B, heads = q.shape[0], q.shape[3]
-        torch.sum(partial[0].view(B, heads, -1, n_rel), (0, 2), out=drpb.view(heads, n_rel))
+        torch.sum(partial.view(B, heads, -1, n_rel), (0, 2), out=drpb.view(heads, n_rel))
     return dq, dk, dv, drpb
 
 
@@ -566,24 +595,51 @@ def _config(ints) -> Optional[Config]:
     return Config(Tiling(*ints[:3]), *ints[3:]) if ints else None
 
 
+def _grads(do, saved, needs, args, config):
+    """The inputs' gradients (q, k, v, rpb; None where not needed) from the forward's saved
+    tensors (q, k, v, rpb, o, lse) and ``needs``: ``ctx.needs_input_grad``."""
+    q, k, v, rpb, o, lse = saved
+    rpb_grad, kv_grad = rpb is not None and needs[3], needs[1] or needs[2]
+    if eager(do):
+        dq, dk, dv, drpb = _backward(do, q, k, v, rpb, o, lse, *args, rpb_grad, kv_grad,
+                                     _config(config))
+    else:  # traced: the op
+        dq, dk, dv, drpb = _na_backward_op(do, q, k, v, rpb, o, lse, *args, rpb_grad, kv_grad,
+                                           config)
+    return (dq, dk if kv_grad else None, dv if kv_grad else None,
+            drpb.to(rpb.dtype) if rpb_grad else None)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, rpb, kernel_size, dilation, scale, config = inputs
     ctx.save_for_backward(q, k, v, rpb, *output)
-    ctx.args = (kernel_size, dilation, scale)
+    ctx.args = (tuple(kernel_size), tuple(dilation), scale)
     ctx.config = config
 
 
 def _autograd_backward(ctx, do, _):
-    q, k, v, rpb, o, lse = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    rpb_grad, kv_grad = rpb is not None and need[3], need[1] or need[2]
-    dq, dk, dv, drpb = _na_backward_op(do, q, k, v, rpb, o, lse, *ctx.args, rpb_grad, kv_grad,
-                                       ctx.config)
-    return (dq, dk if kv_grad else None, dv if kv_grad else None,
-            drpb.to(rpb.dtype) if rpb_grad else None) + (None,) * 4
+    return _grads(do, ctx.saved_tensors, ctx.needs_input_grad, ctx.args, ctx.config) + (
+        None,) * 4
 
 
 _na_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _NA(torch.autograd.Function):
+    """The eager path (:func:`~attnzoo.kernels.eager`): the host code called directly, without
+    the custom op's dispatch (some 20 us a call each way)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rpb, kernel_size, dilation, scale, config):
+        o, lse = _forward(q, k, v, rpb, kernel_size, dilation, scale, _config(config))
+        ctx.save_for_backward(q, k, v, rpb, o, lse)
+        ctx.args, ctx.config = (kernel_size, dilation, scale), config
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        return _grads(do, ctx.saved_tensors, ctx.needs_input_grad, ctx.args, ctx.config) + (
+            None,) * 4
 
 
 def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
@@ -596,10 +652,13 @@ def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tup
     if rpb is not None:
         rpb = rpb.to(q.dtype).contiguous()
     ints = [] if config is None else [*config.tiling, config.num_warps, config.num_stages]
-    if len(kernel_size) == 1:  # 1-D is 2-D with H = 1
-        out, _ = _na_op(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
-                        None if rpb is None else rpb.unsqueeze(1), [1, *kernel_size],
-                        [1, *dilation], float(scale), ints)
-        return out.squeeze(1)
-    out, _ = _na_op(q, k, v, rpb, list(kernel_size), list(dilation), float(scale), ints)
-    return out
+    one_d = len(kernel_size) == 1  # 1-D is 2-D with H = 1
+    if one_d:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        rpb = None if rpb is None else rpb.unsqueeze(1)
+        kernel_size, dilation = (1, *kernel_size), (1, *dilation)
+    if eager(q):
+        out = _NA.apply(q, k, v, rpb, tuple(kernel_size), tuple(dilation), float(scale), ints)
+    else:
+        out, _ = _na_op(q, k, v, rpb, list(kernel_size), list(dilation), float(scale), ints)
+    return out.squeeze(1) if one_d else out

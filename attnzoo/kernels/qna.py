@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelLimits, kernel_op, launch_on_device
+from . import KernelLimits, eager, kernel_op, launch_on_device
 from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions, to_base2
 
 __all__ = ["qna_fused", "support", "not_supported_reasons", "call_reasons", "LIMITS"]
@@ -346,12 +346,33 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (kernel_size, stride, sum_queries)
 
 
+def _grads(g, saved, args):
+    """The gradients of logits, v, rpb and window weights from the forward's saved tensors."""
+    backward = _backward if eager(g) else _qna_backward_op  # traced: the op
+    dlogits, dv, tables = backward(g, *saved, *args)
+    return dlogits, dv, tables[0], tables[1]
+
+
 def _autograd_backward(ctx, g, _):
-    dlogits, dv, tables = _qna_backward_op(g, *ctx.saved_tensors, *ctx.args)
-    return (dlogits, dv, tables[0], tables[1]) + (None,) * 3
+    return _grads(g, ctx.saved_tensors, ctx.args) + (None,) * 3
 
 
 _qna_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _QnA(torch.autograd.Function):
+    """The eager path (:func:`~attnzoo.kernels.eager`): the host code called directly."""
+
+    @staticmethod
+    def forward(ctx, logits, v, rpb, ws, kernel_size, stride, sum_queries):
+        out, lse = _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries)
+        ctx.save_for_backward(logits, v, rpb, ws, lse)
+        ctx.args = (kernel_size, stride, sum_queries)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _grads(g, ctx.saved_tensors, ctx.args) + (None,) * 3
 
 
 def qna_fused(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
@@ -364,6 +385,7 @@ def qna_fused(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor]
     shape = (L, heads, kernel_size, kernel_size)
     rpb = logits.new_zeros(shape) if rpb is None else rpb
     ws = logits.new_ones(shape) if window_weights is None else window_weights
-    out, _ = _qna_op(logits, v, rpb.float().contiguous(), ws.float().contiguous(), kernel_size,
-                     stride, sum_queries)
-    return out
+    rpb, ws = rpb.float().contiguous(), ws.float().contiguous()
+    if eager(logits):
+        return _QnA.apply(logits, v, rpb, ws, kernel_size, stride, sum_queries)
+    return _qna_op(logits, v, rpb, ws, kernel_size, stride, sum_queries)[0]

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelLimits, kernel_op, launch_on_device
+from . import KernelLimits, eager, kernel_op, launch_on_device
 from .tiling import pow2, program_tile, tile_positions
 
 __all__ = ["support", "not_supported_reasons", "call_reasons", "LIMITS",
@@ -417,7 +417,8 @@ def _subtraction_setup(ctx, inputs, output):
 
 
 def _subtraction_grads(ctx, g):
-    dx1, dx2 = _subtraction_backward_op(g, *ctx.args)
+    backward = _subtraction_backward_impl if eager(g) else _subtraction_backward_op  # traced: op
+    dx1, dx2 = backward(g, *ctx.args)
     return (dx1, None if ctx.args[1] else dx2) + (None,) * 5
 
 
@@ -452,23 +453,49 @@ def _aggregation_setup(ctx, inputs, output):
 
 def _aggregation_grads(ctx, go):
     need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = _aggregation_backward_op(go, *ctx.saved_tensors, need_x, need_w, *ctx.footprint)
+    backward = _aggregation_backward_impl if eager(go) else _aggregation_backward_op
+    dx, dw = backward(go, *ctx.saved_tensors, need_x, need_w, *ctx.footprint)
     return (dx if need_x else None, dw if need_w else None) + (None,) * 5
 
 
 _aggregation_op.register_autograd(_aggregation_grads, setup_context=_aggregation_setup)
 
 
+# The eager paths (kernels.eager): the host code called directly, without the custom ops'
+# dispatch; their setup and backward are the ops'.
+
+class _Subtraction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x1, x2, *footprint):
+        _subtraction_setup(ctx, (x1, x2, *footprint), None)
+        return _subtraction_impl(x1, x2, *footprint)
+
+    backward = staticmethod(_subtraction_grads)
+
+
+class _Aggregation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, *footprint):
+        _aggregation_setup(ctx, (x, weight, *footprint), None)
+        return _aggregation_impl(x, weight, *footprint)
+
+    backward = staticmethod(_aggregation_grads)
+
+
 def san_subtraction_fused(x, fp):
     """The ``cuda`` backend of ``san_subtraction`` (arguments validated by the op)."""
-    return _subtraction_op(x, None, *_fields(fp))
+    return san_subtraction2_fused(x, None, fp)
 
 
 def san_subtraction2_fused(x1, x2, fp):
     """The ``cuda`` backend of ``san_subtraction2``."""
+    if eager(x1):
+        return _Subtraction.apply(x1, x2, *_fields(fp))
     return _subtraction_op(x1, x2, *_fields(fp))
 
 
 def san_aggregation_fused(x, weight, fp):
     """The ``cuda`` backend of ``san_aggregation``."""
+    if eager(x):
+        return _Aggregation.apply(x, weight, *_fields(fp))
     return _aggregation_op(x, weight, *_fields(fp))

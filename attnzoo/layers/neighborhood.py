@@ -152,10 +152,9 @@ class NeighborhoodAttention2d(nn.Module):
         # reshape by x's sizes, not unflatten: the TorchScript ONNX exporter bakes unflatten's in
         qkv = self.qkv(x).reshape(x.shape[0], x.shape[1], x.shape[2], 3, self.num_heads,
                                   self.head_dim)
-        # the views unbind(3) gives; an ONNX export makes each a Gather rather than a Slice and
-        # a Squeeze, 12 nodes fewer per layer (the dynamo exporter's time follows the node
-        # count: ops/neighborhood.py's na_export)
-        q, k, v = qkv.select(3, 0), qkv.select(3, 1), qkv.select(3, 2)
+        # strided views of the one projection, which every backend takes as they are; their
+        # gradients come back as one stack (select's would be three zero-filled copies, summed)
+        q, k, v = qkv.unbind(3)
         if self.attn_norm == "quest":
             k = l2_normalize(k)
         return q, k, v

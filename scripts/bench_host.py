@@ -1,0 +1,282 @@
+#!/usr/bin/env python
+"""Host time of attnzoo's kernel calls and of whole training steps, measured on the CPU with
+the kernels' launches captured, not run (``attnzoo.kernels.capture_launches``): what a GPU's
+host would spend in Python before and around each launch (issue 46). Not a test.
+
+Per op call (the ``cuda`` backend's public op: argument checks, backend dispatch, the eager
+autograd path, allocations, the launch plan; Triton's own launch excluded), forward without
+autograd and forward + backward, microseconds per call, warm (the call key seen before):
+
+* ``meta``: on meta tensors, as scripts/compile_kernels.py captures launches; torch's meta
+  functions of allocations and reductions are Python, so this overstates what a GPU's C++
+  allocator costs;
+* ``cpu``: on CPU tensors of the same call at batch 1 (C++ allocations, as on a GPU; the small
+  torch work of the call, such as the rpb gradient's sum, is computed);
+
+beside the torch reference of the same call on meta tensors (its ops' meta functions; QnA's
+reference is one custom op, its fake on meta), and one ``F.scaled_dot_product_attention`` call
+on CPU tensors of ``[1, 1, 1, 8]`` (a fused op's host cost: one dispatch and one kernel). A
+backward runs through 20 calls at once, as in a training step (the autograd engine's start is
+paid once per step). Targets (issue 46, warm key): forward <= 25 us, forward + backward <= 60
+us.
+
+``--steps``: per training step (forward, ``logsumexp`` loss, backward; batch 32, 224 px, meta
+tensors, launches captured) of each family's tiny model and of timm's swin_tiny: the ATen ops
+dispatched, the copies among them (``copy_``, ``_to_copy``, ``clone``, ``select_backward``,
+``stack``: what a GPU runs as copy kernels), the kernel launches captured and the host
+milliseconds of the step. Without CUDA, autocast is off: the bf16 casts a GPU step adds are not
+counted. Meta functions dominate these milliseconds (compare the op counts first).
+
+    python scripts/bench_host.py                       # the per-call table
+    python scripts/bench_host.py --steps               # and the step table
+    python scripts/bench_host.py --steps --write BENCHMARKS.md
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import attnzoo  # noqa: E402
+from attnzoo import backends, kernels  # noqa: E402
+from attnzoo.ops import na2d, qna2d, san_aggregation, san_subtraction2  # noqa: E402
+
+TARGET = {"fwd": 25.0, "fwd+bwd": 60.0}
+STEP_MODELS = ("nat_tiny", "dinat_tiny", "qna_vit_tiny", "san10_patchwise",
+               "swin_tiny_patch4_window7_224")
+COPIES = ("copy_", "_to_copy", "clone", "select_backward", "stack")
+CHAIN = 20  # forward + backward: calls per backward
+
+
+def _kernels_on_any_device():
+    """The kernel families' support checks told yes: meta and CPU tensors are not CUDA tensors
+    (as scripts/compile_kernels.py does); the launches are captured, never run."""
+    from attnzoo.kernels import neighborhood, qna, san
+    for module in (neighborhood, qna, san):
+        module.support = lambda *args, **kwargs: None
+    backends.reset()
+
+
+def _calls(device: str, batch: int) -> Dict[str, Callable[[bool], Callable[[str], torch.Tensor]]]:
+    """Label -> ``make(grad)``: the inputs of one call built once (``grad``: leaves that
+    require grad, listed in ``run.leaves``), and ``run(backend)`` running it. NAT-tiny's last
+    stage (7x7, 16 heads, K 7, rpb), DiNAT's dilated stage 2, QnA-ViT-tiny's last QnA stage,
+    SAN10's stage 3."""
+    dtype = torch.bfloat16
+    leaves = []
+
+    def new(*shape, grad):
+        t = torch.empty(shape, device=device, dtype=dtype).requires_grad_(grad)
+        leaves.append(t)
+        return t
+
+    def with_leaves(make):
+        def made(grad):
+            leaves.clear()
+            run = make(grad)
+            run.leaves = [t for t in leaves if t.requires_grad]
+            return run
+        return made
+
+    def na(H, heads, dilation):
+        def make(grad):
+            q, k, v = new(batch, H, H, 3, heads, 32, grad=grad).unbind(3)  # NAT's qkv views
+            rpb = new(heads, 13, 13, grad=grad)
+            return lambda b: na2d(q, k, v, kernel_size=7, dilation=dilation, rpb=rpb, backend=b)
+        return make
+
+    def qna(grad):
+        logits, v = new(batch, 14, 14, 2, 32, grad=grad), new(batch, 14, 14, 32, 8, grad=grad)
+        rpb, ws = new(2, 32, 3, 3, grad=grad), new(2, 32, 3, 3, grad=grad)
+        return lambda b: qna2d(logits, v, kernel_size=3, rpb=rpb, window_weights=ws, backend=b)
+
+    def aggregation(grad):
+        x, w = new(batch, 256, 14, 14, grad=grad), new(batch, 32, 49, 196, grad=grad)
+        return lambda b: san_aggregation(x, w, kernel_size=7, backend=b)
+
+    def subtraction(grad):
+        x1, x2 = new(batch, 64, 14, 14, grad=grad), new(batch, 64, 14, 14, grad=grad)
+        return lambda b: san_subtraction2(x1, x2, kernel_size=7, backend=b)
+
+    return {label: with_leaves(make) for label, make in (
+        ("na2d nat_tiny s3 7x7 h16 k7 rpb", na(7, 16, 1)),
+        ("na2d dinat_tiny s2 14x14 h8 k7 d2 rpb", na(14, 8, 2)),
+        ("qna2d qna_vit_tiny s2 14x14 h32 k3", qna),
+        ("san_aggregation san10 s3 14x14 k7", aggregation),
+        ("san_subtraction2 san10 s3 14x14 k7", subtraction))}
+
+
+def _us(fn: Callable[[], object], number: int, repeat: int) -> float:
+    """Microseconds per call, the best of ``repeat`` timings of ``number`` calls (after a
+    warm-up: the call key is then warm)."""
+    for _ in range(max(3, number // 10)):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.perf_counter() - start) / number)
+    return best * 1e6
+
+
+def measure_calls(number: int, repeat: int) -> List[dict]:
+    rows = []
+    meta, cpu = _calls("meta", 32), _calls("cpu", 1)
+    with kernels.capture_launches():
+        for i, (label, make) in enumerate(meta.items()):
+            print(f"[{i + 1}/{len(meta)}] {label}", file=sys.stderr, flush=True)
+            for passes in ("fwd", "fwd+bwd"):
+                row = dict(call=label, passes=passes)
+                for column, calls, backend in (("cuda, meta", meta, "cuda"),
+                                               ("cuda, cpu", cpu, "cuda"),
+                                               ("torch, meta", meta, "torch")):
+                    row[column] = _per_call(calls[label], backend, passes, number, repeat)
+                rows.append(row)
+    def sdpa(grad):
+        x = torch.empty(1, 1, 1, 8, requires_grad=grad)
+        run = lambda _: F.scaled_dot_product_attention(x, x, x)  # noqa: E731
+        run.leaves = [x]
+        return run
+
+    for passes in ("fwd", "fwd+bwd"):
+        rows.append({"call": "F.scaled_dot_product_attention, cpu [1, 1, 1, 8]",
+                     "passes": passes, "cuda, cpu": _per_call(sdpa, None, passes, number,
+                                                              repeat)})
+    return rows
+
+
+def _per_call(make, backend, passes: str, number: int, repeat: int) -> float:
+    """Microseconds per call of ``make(grad)(backend)``: forward under no_grad; forward +
+    backward as a training step runs them, CHAIN calls on inputs of their own and one backward
+    through them all (the autograd engine's start, some 50 us on the CPU, is paid once per
+    step, not per op; no gradient is accumulated)."""
+    if passes == "fwd":
+        run = make(False)
+
+        def call():
+            with torch.no_grad():
+                run(backend)
+        return _us(call, number, repeat)
+    runs = [make(True) for _ in range(CHAIN)]
+    leaves = [t for run in runs for t in run.leaves]
+    grads = [torch.empty_like(run(backend)) for run in runs]
+
+    def chained():
+        torch.autograd.grad([run(backend) for run in runs], leaves, grads)
+    return _us(chained, max(number // CHAIN, 2), repeat) / CHAIN
+
+
+class _Count(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure_steps(models, batch: int, repeat: int) -> List[dict]:
+    import timm
+    rows = []
+    for i, name in enumerate(models):
+        print(f"[{i + 1}/{len(models)}] step of {name}", file=sys.stderr, flush=True)
+        with torch.device("meta"):
+            model = timm.create_model(name).train()
+        x = torch.empty(batch, 3, 224, 224, device="meta")
+
+        def step():
+            model(x).float().logsumexp(-1).mean().backward()
+
+        with attnzoo.use_backend("cuda"), kernels.capture_launches() as launches:
+            step()
+            launches.clear()
+            with _Count() as counted:
+                step()
+            launched = len(launches)
+            ms = min(_timed(step) for _ in range(repeat)) * 1e3
+        ops = counted.ops
+        rows.append(dict(model=name, ops=sum(ops.values()),
+                         copies=sum(ops[c] for c in COPIES), launches=launched, ms=ms))
+    return rows
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def calls_table(rows: List[dict], argv: List[str]) -> str:
+    lines = [f"`python scripts/bench_host.py {' '.join(argv)}`".replace(" `", "`"),
+             "", "Host microseconds per call, warm key, launches captured (Triton's own launch "
+             "excluded); cuda on meta tensors (batch 32) and on CPU tensors (batch 1); the torch "
+             f"reference on meta tensors; a backward through {CHAIN} calls, as in a training "
+             "step. Targets (issue 46): forward <= 25 us, forward + backward <= 60 us.", "",
+             "| call | pass | cuda, meta | cuda, cpu | torch, meta | target |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        target = TARGET[r["passes"]] if "cuda, meta" in r else None
+        lines.append(f"| {r['call']} | {r['passes']} | {_f(r.get('cuda, meta'))} | "
+                     f"{_f(r.get('cuda, cpu'))} | {_f(r.get('torch, meta'))} | "
+                     f"{_f(target)} |")
+    return "\n".join(lines)
+
+
+def steps_table(rows: List[dict], batch: int) -> str:
+    anchor = next((r for r in rows if r["model"].startswith("swin")), None)
+    lines = ["", f"Training step (forward, logsumexp loss, backward), batch {batch}, 224 px, "
+                 "meta tensors, launches captured, fp32 (no autocast without CUDA): ATen ops, "
+                 f"copies ({', '.join(COPIES)}), kernel launches, host ms; x: over "
+                 "swin_tiny's.", "",
+             "| model | ATen ops | copies | launches | host ms | ops x | host x |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = (lambda k: f"{r[k] / anchor[k]:.2f}") if anchor else (lambda k: "-")
+        lines.append(f"| {r['model']} | {r['ops']} | {r['copies']} | {r['launches']} | "
+                     f"{r['ms']:.0f} | {ratio('ops')} | {ratio('ms')} |")
+    return "\n".join(lines)
+
+
+def main(argv: List[str] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--number", type=int, default=200, help="calls per timing (default 200)")
+    p.add_argument("--repeat", type=int, default=5, help="timings, the best kept (default 5)")
+    p.add_argument("--steps", action="store_true", help="also the training-step table")
+    p.add_argument("--models", nargs="+", default=list(STEP_MODELS),
+                   help="the step table's models (default: each family's tiny and swin_tiny)")
+    p.add_argument("--batch", type=int, default=32, help="the step table's batch (default 32)")
+    p.add_argument("--write", default=None, metavar="BENCHMARKS.md",
+                   help="replace the script's table in this file (default: print only)")
+    args = p.parse_args(argv)
+    _kernels_on_any_device()
+    text = calls_table(measure_calls(args.number, args.repeat),
+                       [a for a in argv if a not in ("--write", args.write)])
+    if args.steps:
+        text += "\n" + steps_table(measure_steps(args.models, args.batch, max(args.repeat // 2,
+                                                                               1)), args.batch)
+    print(text)
+    if args.write:
+        from attnzoo.profiling import write_table
+        write_table(args.write, "bench_host.py", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The kernels' host path (issue 46): an eager call runs the host code through a plain
+``autograd.Function`` (no custom-op dispatch; torch.compile still sees the custom ops:
+tests/test_kernels_compile.py), a warm call key redoes nothing that depends only on the key, an
+untuned choice made where tuning cannot happen (tracing, CUDA-graph capture) is not kept, and
+scripts/bench_host.py runs."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnzoo import kernels
+
+if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra)
+    pytest.skip(kernels.triton_missing(), allow_module_level=True)
+
+from attnzoo.kernels import neighborhood as kn  # noqa: E402
+from attnzoo.ops import na2d, qna2d, san_aggregation, san_subtraction2  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.interpreter
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _leaves(*shapes):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g).to(DEVICE).requires_grad_() for s in shapes]
+
+
+CALLS = {
+    "na2d": (lambda q, k, v, rpb: na2d(q, k, v, kernel_size=3, rpb=rpb, backend="cuda"),
+             [(1, 5, 6, 2, 4)] * 3 + [(2, 5, 5)]),
+    "qna2d": (lambda logits, v: qna2d(logits, v, kernel_size=3, stride=2, backend="cuda"),
+              [(1, 5, 6, 2, 3), (1, 5, 6, 3, 4)]),
+    "san_subtraction2": (lambda a, b: san_subtraction2(a, b, kernel_size=3, backend="cuda"),
+                         [(1, 2, 5, 6)] * 2),
+    "san_aggregation": (lambda x, w: san_aggregation(x, w, kernel_size=3, backend="cuda"),
+                        [(1, 4, 5, 6), (1, 2, 9, 30)]),
+}
+
+
+@pytest.mark.parametrize("op", CALLS)
+def test_an_eager_call_runs_the_kernels_without_the_custom_op(op):
+    fn, shapes = CALLS[op]
+    inputs = _leaves(*shapes)
+    with _Ops() as seen:
+        out = fn(*inputs)
+        torch.autograd.grad(out.square().sum(), inputs)
+    assert not [n for n in seen.names if n.startswith("attnzoo.")], seen.names
+
+
+def test_a_warm_key_plans_nothing_again(monkeypatch):
+    plans = []
+    plan = kn._plan
+    monkeypatch.setattr(kn, "_plan", lambda *args: plans.append(args[0]) or plan(*args))
+    q, k, v, rpb = _leaves((1, 6, 5, 2, 4), (1, 6, 5, 2, 4), (1, 6, 5, 2, 4), (2, 5, 5))
+    for _ in range(3):
+        out = na2d(q, k, v, kernel_size=3, rpb=rpb, backend="cuda")
+        torch.autograd.grad(out.sum(), (q, k, v, rpb))
+    assert sorted(plans) == ["dkdv", "dq", "fwd"]  # the first call's three kernels, once each
+
+
+def test_an_untuned_choice_is_kept_only_where_no_call_will_tune(monkeypatch):
+    """Where tuning will happen on a later call (compiled kernels) but cannot now (tracing,
+    capturing a CUDA graph), the default configuration runs and is not kept: the next call
+    plans again, and tunes."""
+    plans, tuned = [], []
+    plan = kn._plan
+    monkeypatch.setattr(kn, "_plan", lambda *args: plans.append(args[0]) or plan(*args))
+    monkeypatch.setattr(kn, "will_tune", lambda device: True)
+    monkeypatch.setattr(kn, "can_tune", lambda device: False)
+    q = _leaves((1, 7, 6, 1, 8))[0].detach()
+    for _ in range(2):
+        na2d(q, q, q, kernel_size=3, backend="cuda")
+    assert plans == ["fwd", "fwd"]
+    monkeypatch.setattr(kn, "can_tune", lambda device: True)
+    monkeypatch.setattr(kn, "tuning_scope", lambda device: "simulated")
+    monkeypatch.setattr(kn._TUNER, "choose", lambda key, space, launch, tune, scope: (
+        tuned.append(key), kn._TUNER.best.setdefault(key, space[0]))[1])
+    for _ in range(2):
+        na2d(q, q, q, kernel_size=3, backend="cuda")
+    assert plans == ["fwd"] * 3 and len(tuned) == 1
+
+
+def test_bench_host_runs_its_tables(capsys, monkeypatch):
+    from attnzoo.kernels import qna, san
+    for module in (kn, qna, san):  # the script tells every support check yes: restored after
+        monkeypatch.setattr(module, "support", module.support)
+    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "scripts" / "bench_host.py")
+    bench_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_host)
+    assert bench_host.main(["--number", "4", "--repeat", "1", "--steps", "--models", "nat_mini",
+                            "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| na2d nat_tiny s3 7x7 h16 k7 rpb | fwd+bwd |" in out
+    assert "| nat_mini |" in out
