@@ -6,7 +6,9 @@ Importing the package registers every model with timm's registry, so that
 It checks timm first: a timm older than ``TIMM_FLOOR`` (pyproject.toml's floor) fails here, in
 one message naming the timm found and where, instead of an ImportError deep inside. The usual
 cause is a timm clone's own ``timm/`` folder, which Python puts first on ``sys.path`` when a
-script runs from the clone.
+script runs from the clone. A torchvision of another build than torch (PyPI's CUDA torchvision
+beside a CPU torch), which stops ``import timm``, is named likewise. From the command line each
+is one line and exit status 2.
 """
 import os
 import sys
@@ -24,17 +26,44 @@ def _import_timm():
         entry = sys.path.pop(0)
     try:
         import timm
+    except RuntimeError as e:
+        if "torchvision::" not in str(e):
+            raise
+        _stop(_torchvision_mismatch(e))
     finally:
         if cwd_first:
             sys.path.insert(0, entry)
     from packaging.version import Version
     if Version(timm.__version__) < Version(TIMM_FLOOR):
-        raise ImportError(
+        _stop(
             f"attnzoo {__version__} needs timm >= {TIMM_FLOOR}, found timm {timm.__version__} at "
             f"{os.path.dirname(os.path.abspath(timm.__file__))}. Install a newer one "
             f"(pip install -U \"timm>={TIMM_FLOOR}\"); if that folder is a timm clone's own "
             "timm/ (Python puts a script's folder first on sys.path), run the script with "
             "`python -P` or PYTHONSAFEPATH=1, or as `python -m attnzoo timm SCRIPT ...`.")
+
+
+def _torchvision_mismatch(error: BaseException) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        found = f"torchvision {version('torchvision')}"
+    except PackageNotFoundError:
+        found = "torchvision"
+    import torch
+    index = ("https://download.pytorch.org/whl/cpu" if "+cpu" in torch.__version__ else
+             "the index your torch came from")
+    return (f"timm cannot be imported: {found} does not match torch {torch.__version__} "
+            f"({str(error).splitlines()[0]}). Install torchvision from the same index as torch: "
+            f"pip install torchvision --index-url {index} (README, Install)")
+
+
+def _stop(message: str) -> None:
+    """An install that cannot work: from the command line (``attnzoo ...``, ``python -m
+    attnzoo``), one line and exit status 2, as every user mistake; imported, an ImportError."""
+    if os.path.basename(sys.argv[0]).startswith("attnzoo") or sys.argv[:1] == ["-m"]:
+        print(f"attnzoo: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    raise ImportError(message)
 
 
 _import_timm()

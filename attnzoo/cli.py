@@ -161,8 +161,12 @@ def _pending_tags(filter: str, family: str) -> List[str]:
 
 
 def _cmd_list(args, parser) -> int:
-    names = list_models(args.filter, pretrained=args.pretrained, family=args.family)
-    pending = _pending_tags(args.filter, args.family) if args.pretrained else []
+    family = "nat" if args.family == "dinat" else args.family  # DiNAT: NAT's family, dilated
+    names = list_models(args.filter, pretrained=args.pretrained, family=family)
+    pending = _pending_tags(args.filter, family) if args.pretrained else []
+    if args.family == "dinat":
+        names = [n for n in names if n.startswith("dinat")]
+        pending = [t for t in pending if t.startswith("dinat")]
     pending_line = (f"not on the Hub yet, so not pretrained (`attnzoo info TAG` says where the "
                     f"official weights are): {', '.join(pending)}")
     if not names:
@@ -381,7 +385,7 @@ def _cmd_export(args, parser) -> int:
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         parser.error(f"exporting needs {', '.join(missing)}, not installed: "
-                     'pip install "attnzoo[onnx]"')
+                     f"pip install {' '.join(missing)}")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         parser.error(f"{args.out}: folder {out_dir} does not exist")
@@ -394,15 +398,15 @@ def _cmd_export(args, parser) -> int:
                      f"({'without' if args.dynamo else 'with'} --dynamo) {other[0]} to "
                      f"{other[-1]}")
     _check_model_kwargs(parser, args.model, args.model_kwargs)
-    if args.checkpoint:  # a file timm's loader would fail on with a traceback: one line here
-        try:
-            hub.read_checkpoint(args.checkpoint)
-        except (ValueError, OSError) as e:
-            parser.error(f"--checkpoint {args.checkpoint}: {_one_line(e)}")
+    from timm.layers import set_layer_config
     try:
-        model = timm.create_model(args.model, pretrained=False, exportable=True,
-                                  checkpoint_path=args.checkpoint or "",
-                                  **dict(args.model_kwargs))
+        with set_layer_config(exportable=True):
+            if args.checkpoint:  # any layout convert or publish reads, its head size included
+                model = hub.load_checkpoint_model(args.model, args.checkpoint,
+                                                  model_kwargs=dict(args.model_kwargs)).model
+            else:
+                model = timm.create_model(args.model, pretrained=False,
+                                          **dict(args.model_kwargs))
     except (RuntimeError, TypeError, ValueError, OSError) as e:
         where = f"--checkpoint {args.checkpoint}" if args.checkpoint else (
             f"cannot build {args.model}")
@@ -493,13 +497,18 @@ def _cmd_attention(args, parser) -> int:
 
     _check_model(parser, args.model)
     if importlib.util.find_spec("matplotlib") is None:
-        parser.error('drawing needs matplotlib, not installed: pip install matplotlib (or pip '
-                     'install "attnzoo[plot]")')
+        parser.error("drawing needs matplotlib, not installed: pip install matplotlib")
     if args.pretrained and args.checkpoint:
         parser.error("--pretrained and --checkpoint: give one")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         parser.error(f"-o {args.out}: folder {out_dir} does not exist")
+    from matplotlib.figure import Figure
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    suffix = os.path.splitext(args.out)[1].lstrip(".").lower()
+    if suffix not in formats:  # before the model runs, not after
+        parser.error(f"-o {args.out}: the picture's format is its extension, one of "
+                     f"{', '.join(formats)}")
     try:
         image = Image.open(args.image).convert("RGB")
     except (OSError, ValueError) as e:
@@ -680,6 +689,10 @@ def _cmd_timm(args, parser) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the script's own imports
     try:
         runpy.run_path(script, run_name="__main__")
+    except SyntaxError as e:
+        if not (e.filename and os.path.samefile(e.filename, script)):
+            raise  # in a module the script imports: its traceback says where
+        parser.error(f"{script}, line {e.lineno}: not valid Python: {e.msg}")
     except ModuleNotFoundError as e:  # a package the script needs (inference.py: pandas)
         top = (e.name or "").split(".")[0]
         if not top or importlib.util.find_spec(top) is not None:
@@ -736,7 +749,7 @@ def _convert_epilog() -> str:
         "no code from the file runs) and .safetensors, in the family's official layout "
         "(NAT/DiNAT: the original repository's or the shi-labs transformers repos'; SAN: "
         "tool/train.py's; QUEST-ViT: timm's or DeiT's ViT) or attnzoo's; QnA-ViT's Flax "
-        "checkpoint_N files (pip install \"attnzoo[convert]\").", 79) + "\n\n" + textwrap.fill(
+        "checkpoint_N files (pip install msgpack numpy).", 79) + "\n\n" + textwrap.fill(
         f"output formats, by OUT's extension: {formats} (torch.save); both load with "
         "timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=OUT)).", 79))
 
@@ -768,8 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("filter", nargs="?", default="", help="wildcard, e.g. 'dinat_*' (default: all)")
     p.add_argument("--pretrained", action="store_true",
                    help="list pretrained tags (default: model names)")
-    p.add_argument("--family", default="", choices=_families(),
-                   help="only this family (default: all)")
+    p.add_argument("--family", default="", choices=sorted(_families() + ["dinat"]),
+                   help="only this family; nat: NAT and DiNAT, dinat: DiNAT only (default: all)")
     p.set_defaults(func=_cmd_list, parser=p)
 
     p = command("bench", "params, GMACs and throughput per backend (random input)")
@@ -931,9 +944,30 @@ def _reader_gone() -> int:
     return 128 + getattr(signal, "SIGPIPE", 13)
 
 
+def _joined_negative_values(argv: Sequence[str]) -> List[str]:
+    """``--query -1,5`` as ``--query=-1,5``: argparse takes a value starting with ``-`` that is
+    not a plain negative number for an option, and says only "expected one argument"; joined,
+    the value reaches the option's own check, which names it."""
+    out: List[str] = []
+    if not argv or argv[0] != "attention":  # `attnzoo timm` passes a script's own arguments on
+        return list(argv)
+    for token in argv:
+        if out and out[-1] in _NUMBER_PAIR_OPTIONS and re.fullmatch(r"-[\d.]+,.*", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+_NUMBER_PAIR_OPTIONS = ("--query",)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = _joined_negative_values(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command's own parser: `attnzoo list: error: ...`
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         status = args.func(args, args.parser)
         sys.stdout.flush()  # a closed pipe shows here rather than at exit

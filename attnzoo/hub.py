@@ -281,8 +281,8 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, (tuple, list)) else value
 
 
-def load_checkpoint_model(model_name: str, path: PathLike,
-                          use_ema: bool = False) -> LoadedCheckpoint:
+def load_checkpoint_model(model_name: str, path: PathLike, use_ema: bool = False,
+                          model_kwargs: Optional[Mapping[str, Any]] = None) -> LoadedCheckpoint:
     """``model_name`` (a model or ``model.tag``) built from the checkpoint at ``path`` and loaded
     strictly, in eval mode, with a sentence saying which weights (and train.py arguments) were
     taken, and the model arguments a reload needs.
@@ -292,7 +292,8 @@ def load_checkpoint_model(model_name: str, path: PathLike,
     arguments train.py built it with (its ``args``: ``--model-kwargs``, ``--num-classes``,
     ``--in-chans``, ``--gp``, ``--bn-eps``), and its pretrained cfg takes train.py's data
     config (input size, mean, std, crop...). Otherwise the classifier's classes and the stem's
-    input channels are the checkpoint's. Raises ``ValueError`` (one line per problem) for a
+    input channels are the checkpoint's. ``model_kwargs``: constructor arguments of the user's
+    (``--model-kwargs``), over train.py's. Raises ``ValueError`` (one line per problem) for a
     file that cannot be read or does not fit."""
     import timm
 
@@ -320,6 +321,7 @@ def load_checkpoint_model(model_name: str, path: PathLike,
     elif use_ema:
         raise ValueError(f"{name} is not a train.py checkpoint with EMA weights "
                          f"(no 'state_dict_ema'); leave out --use-ema")
+    kwargs.update(model_kwargs or {})
     try:  # on the meta device: the filter needs keys and shapes only
         model = timm.create_model(model_name, device="meta", **kwargs)
     except TypeError as e:  # an argument the model does not take
@@ -667,7 +669,7 @@ def transformers_usage(arch: str, source: str = "") -> str:
     first, and what a user sees without it."""
     repo = f'"{source}"' if source else '"ORG/NAME"  # a Hub repo or folder `attnzoo publish` wrote'
     return (
-        "With transformers (`pip install \"attnzoo[transformers]\"`): its `TimmWrapper` builds the "
+        "With transformers (`pip install transformers`): its `TimmWrapper` builds the "
         "model with timm, so the logits, the preprocessing (from config.json's `pretrained_cfg`) "
         "and the class names are timm's:\n\n```python\n"
         "import attnzoo  # registers attnzoo's models with timm: before transformers builds one\n"

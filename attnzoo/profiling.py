@@ -41,13 +41,23 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def count_macs(model: torch.nn.Module, input_size: Sequence[int]) -> int:
+def count_macs(model: torch.nn.Module,
+               input_size: Union[Sequence[int], torch.Tensor]) -> int:
     """Multiply-accumulates of one forward pass, counted like fvcore (the papers' convention):
     convolutions and matmuls as PyTorch's FlopCounterMode sees them, and every registered
     attnzoo op by its registered MAC formula, whatever its backend actually computes (the tiled
-    NA reference does more, an elementwise aggregation shows FlopCounterMode nothing)."""
-    param = next(model.parameters())
-    x = torch.randn(*input_size, device=param.device, dtype=param.dtype)
+    NA reference does more, an elementwise aggregation shows FlopCounterMode nothing).
+    ``input_size``: the input's shape ``(B, C, H, W)``, or an input tensor (fvcore's and thop's
+    habit), counted as it is."""
+    if isinstance(input_size, torch.Tensor):
+        x = input_size
+    else:
+        if not (isinstance(input_size, Sequence) and all(
+                isinstance(n, int) and not isinstance(n, bool) for n in input_size)):
+            raise TypeError(f"count_macs: input_size must be a shape such as (1, 3, 224, 224) "
+                            f"or an input tensor, got {input_size!r}")
+        param = next(model.parameters())
+        x = torch.randn(*input_size, device=param.device, dtype=param.dtype)
     counter = FlopCounterMode(display=False, custom_mapping=_SDPA_CPU)
     seen_flops, op_macs = [0], [0]
 

@@ -1,5 +1,5 @@
 """Pictures of attention: one query's weights from an :class:`attnzoo.AttentionMap`, laid over
-the image (``attnzoo attention``). matplotlib is optional (``pip install "attnzoo[plot]"``)."""
+the image (``attnzoo attention``). matplotlib is optional (``pip install matplotlib``)."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple, Union
@@ -10,7 +10,7 @@ from .layers import AttentionMap
 
 __all__ = ["query_grid", "query_heat", "draw_attention"]
 
-_INSTALL = 'pip install matplotlib (or pip install "attnzoo[plot]")'
+_INSTALL = "pip install matplotlib"
 
 
 def query_grid(amap: AttentionMap, num_prefix_tokens: int = 0) -> Tuple[int, int]:

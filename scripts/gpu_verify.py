@@ -911,7 +911,7 @@ def _compile_check(stage: Stage, name: str) -> None:
 
     import attnzoo
     from attnzoo import backends
-    batch, size = (2, 32) if stage.dry else (8, 224)
+    batch, size = (1, 32) if stage.dry else (8, 224)
     kwargs = dict(drop_path_rate=0.0, **(tiny_kwargs(name) if stage.dry else {}))
     model = timm.create_model(name, **kwargs).to(stage.device).train()
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(

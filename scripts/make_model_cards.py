@@ -76,7 +76,7 @@ def main() -> int:
     facts = json.loads(FACTS.read_text()) if FACTS.exists() else {}
     if args.measure:
         measure(facts, args)
-    (ROOT / "attnzoo" / "MODEL_CARDS.md").write_text(hub.model_cards_markdown(facts))
+    (ROOT / "MODEL_CARDS.md").write_text(hub.model_cards_markdown(facts))
     doc = PUBLISHING.read_text()
     if not TABLE.search(doc):
         sys.exit("docs/publishing.md has no <!-- publish table --> ... <!-- end publish table --> "

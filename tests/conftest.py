@@ -120,6 +120,19 @@ def kernel_records(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def legacy_natten(monkeypatch):
+    """NATTEN 0.17's API (tests/na_inputs.fake_legacy_natten) as the installed ``natten``;
+    returns the list of its functions called, in order."""
+    from attnzoo.ops import neighborhood
+    from na_inputs import fake_legacy_natten
+    natten, functional, calls = fake_legacy_natten()
+    monkeypatch.setitem(sys.modules, "natten", natten)
+    monkeypatch.setitem(sys.modules, "natten.functional", functional)
+    assert neighborhood._natten()[1] == "legacy"
+    return calls
+
+
+@pytest.fixture
 def bounds_checked(monkeypatch):
     """Under the interpreter, every load and store of an attnzoo kernel launch (any family) must
     fall inside the elements of one of the tensors the launch was given (the interpreter reads

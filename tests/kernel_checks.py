@@ -148,10 +148,12 @@ def laid_out(t: torch.Tensor, layout: str, grad: bool = False) -> torch.Tensor:
     return t.detach().requires_grad_() if grad else t
 
 
-def opcheck(op, args) -> None:
-    """torch.library.opcheck's four checks of ``op`` on ``args``: schema, autograd
-    registration, fake tensor (every output's sizes, strides and dtype against the real one's)
-    and AOT dispatch with dynamic shapes (forward, and backward where inputs require grad)."""
-    torch.library.opcheck(op, args, test_utils=(
-        "test_schema", "test_autograd_registration", "test_faketensor",
-        "test_aot_dispatch_dynamic"))
+def opcheck(op, args, backward_op: bool = False) -> None:
+    """torch.library.opcheck's checks of ``op`` on ``args``: schema, autograd registration, fake
+    tensor (every output's sizes, strides and dtype against the real one's) and, for a forward
+    op, AOT dispatch with dynamic shapes (forward, and backward where inputs require grad: the
+    backward op traced). A ``backward_op`` is never differentiated: its AOT dispatch would
+    repeat the fake tensor check."""
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(op, args, test_utils=checks + (
+        () if backward_op else ("test_aot_dispatch_dynamic",)))

@@ -14,6 +14,7 @@ import pytest
 from attnzoo import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
+SCOPE = "Simulated GPU sm_90 triton 3.6.0 attnzoo 0.1.0"
 
 # One NA forward on a simulated GPU (Triton's interpreter runs the launches on CPU tensors):
 # tuning allowed, the device named by SCOPE, every configuration "compiles" without spills, and
@@ -53,8 +54,8 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cache: Path, scope: str = "Simulated GPU sm_90 triton 3.6.0 attnzoo 0.1.0") -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", SCOPE=scope,
+def _run(cache: Path) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", SCOPE=SCOPE,
                PYTHONPATH=str(ROOT), **{kernels.TUNING_CACHE_ENV: str(cache)})
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
@@ -69,15 +70,20 @@ def test_a_second_process_reuses_the_choice_and_times_nothing(tmp_path):
     first = _run(cache)
     assert first["timed"] >= 2  # it tuned: compiled and timed its space
     stored = json.loads(cache.read_text())
-    scope = "Simulated GPU sm_90 triton 3.6.0 attnzoo 0.1.0"
-    [(key, index)] = stored["entries"][scope].items()
+    [(key, index)] = stored["entries"][SCOPE].items()
     assert "'fwd'" in key and index == 1  # the fastest: the second timed
     second = _run(cache)
     assert second == {"timed": 0, "config": first["config"]}  # nothing compiled nor timed
-    other = _run(cache, scope="Another GPU sm_80 triton 3.6.0 attnzoo 0.1.0")
-    assert other["timed"] == first["timed"]  # another GPU tunes for itself
-    assert set(json.loads(cache.read_text())["entries"]) == {
-        scope, "Another GPU sm_80 triton 3.6.0 attnzoo 0.1.0"}  # both kept
+
+
+def test_a_choice_holds_for_its_scope_only_and_every_scope_is_kept(tmp_path):
+    pytest.importorskip("triton")
+    path = tmp_path / "autotune.json"
+    for scope, timed in (("gpu A", 2), ("gpu B", 2), ("gpu A", 0)):  # A's reused, B tunes
+        tuner, launch, launched = _tuner(kernels.TuningStore(lambda: path))
+        assert tuner.choose("k", "ab", launch, tune=True, scope=scope) == "b"
+        assert len(launched) == timed, scope
+    assert json.loads(path.read_text())["entries"] == {"gpu A": {"'k'": 1}, "gpu B": {"'k'": 1}}
 
 
 def _tuner(store):

@@ -1,7 +1,9 @@
 """The command line and the cost accounting behind `attnzoo bench` and the model cards."""
 import argparse
 import os
+import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from attnzoo import cli
 from attnzoo.ops import na2d
 from attnzoo.profiling import count_macs, count_params
 from attnzoo import list_models as list_attnzoo_models
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # GMACs at 224x224 from the NAT/DiNAT papers (fvcore convention), ../shared/specs/nat.md.
 PAPER_GMACS = {"nat_mini": 2.70, "nat_tiny": 4.30, "nat_small": 7.78, "nat_base": 13.68,
@@ -41,6 +45,11 @@ def test_na_macs_counted_independently_of_the_computation():
     B, H, W, heads, d = 2, 20, 12, 3, 8
     # QK and AV: B * heads * H * W * d * K^2 each; the multiply by w is not a matmul.
     assert count_macs(OneNA(), (B, H, W, heads, d)) == 2 * B * heads * H * W * d * 25
+    # an input tensor, as fvcore and thop take one, is counted as it is
+    assert count_macs(OneNA(), torch.randn(B, H, W, heads, d)) == 2 * B * heads * H * W * d * 25
+    with pytest.raises(TypeError, match="input_size must be a shape .* or an input tensor, got "
+                                        "'224'"):
+        count_macs(OneNA(), "224")
 
 
 def test_list_models_and_tags():
@@ -53,11 +62,11 @@ def test_list_models_and_tags():
 
 
 def test_cli_configs_lists_prints_and_copies_the_packaged_recipes(tmp_path, capsys):
-    """The recipes ship inside the package: `attnzoo configs` lists every one with its path,
-    `configs NAME` prints the path train.py --config takes, `-o` writes a copy (never over a
-    file)."""
+    """`attnzoo configs` lists every recipe with its path (in a checkout the top-level
+    configs/; in an installed wheel the package's copy: .ci/wheel), `configs NAME` prints the
+    path train.py --config takes, `-o` writes a copy (never over a file)."""
     from attnzoo.configs import recipe_names
-    package = Path(attnzoo.__file__).parent / "configs"
+    package = ROOT / "configs"
     assert cli.main(["configs"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert rows == [[p.stem, str(p.resolve())] for p in sorted(package.glob("*.yaml"))]
@@ -128,8 +137,11 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
     (["list", "--pretrained", "qna*"], "no downloadable pretrained tag matches 'qna*'; not on "
                                        "the Hub yet, so not pretrained"),
     (["list", "nat_tny"], "no attnzoo model matches 'nat_tny'; did you mean nat_tiny"),
-    (["list", "--family", "vit"], "argument --family: invalid choice: 'vit' (choose from 'nat', "
-                                  "'qna_vit', 'quest_vit', 'san')"),
+    (["list", "--family", "vit"], "argument --family: invalid choice: 'vit' (choose from "
+                                  "'dinat', 'nat', 'qna_vit', 'quest_vit', 'san')"),
+    (["list", "dinat_mini", "extra"], "unrecognized arguments: extra"),
+    (["attention", "nat_mini", "x.png", "--layer", "0.0", "--query", "1,1", "-o", "m.jpgx"],
+     "-o m.jpgx: the picture's format is its extension, one of "),
     (["bench", "nat_mini", "--model-kwargs", "oops"],
      "argument --model-kwargs: expected KEY=VALUE, got 'oops'"),
     (["bench", "nat_mini", "--model-kwargs", "num_classes=abc"],
@@ -200,6 +212,20 @@ def test_cli_convert_refuses_unreadable_checkpoints_in_one_line(tmp_path, capsys
     assert "weights_only=False" not in err
     # the Flax reader of QnA-ViT says the same of a file that is not one
     assert "not a Flax msgpack checkpoint" in _convert_error(capsys, text, "qna_vit_tiny")
+
+
+def test_cli_convert_summarises_a_checkpoint_of_another_model(tmp_path, capsys):
+    """nat_mini's weights converted as qna_vit_tiny: every key mismatches; one line gives each
+    kind's count and its first few names, not all of them (it took 10,260 characters)."""
+    checkpoint = tmp_path / "nat_mini_sd.pth"
+    torch.save(timm.create_model("nat_mini", device="meta").to_empty(device="cpu").state_dict(),
+               checkpoint)
+    err = _convert_error(capsys, checkpoint, "qna_vit_tiny")
+    assert len(err) < 1500, len(err)
+    counts = re.findall(r"(missing from the checkpoint|not in the model) \((\d+)\): ", err)
+    assert {kind for kind, _ in counts} == {"missing from the checkpoint", "not in the model"}
+    assert all(int(n) > 20 for _, n in counts) and err.count(" more") == 3, err  # shapes too
+    assert "more; not in the model (" in err
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
@@ -331,6 +357,15 @@ def test_cli_timm_runner_uses_the_installed_timm(tmp_path, capsys):
     assert str(tmp_path) not in capsys.readouterr().out
 
 
+def test_cli_timm_script_with_a_syntax_error_is_one_line(tmp_path, capsys):
+    script = _write_script(tmp_path, "import timm\nprint('unclosed'\n")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["timm", script])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"attnzoo timm: error: {script}, line 2: not valid Python: ")
+
+
 def test_cli_timm_runner_exit_message(tmp_path, capsys):
     script = _write_script(tmp_path, "raise SystemExit('bad dataset path')\n")
     assert cli.main(["timm", script]) == 1
@@ -377,7 +412,8 @@ def test_cli_attention_loads_the_checkpoint_and_names_bad_layers(picture, tmp_pa
             (["--layer", "9.0"], "--layer: '9.0' is not an attention layer of NAT; accepted: "),
             (["--layer", "0.0", "--head", "5"], "--head 5: head must be 'mean', 'all' or a head "
                                                "index below 2, got 5"),
-            (["--query", "200,0"], "--query 200,0: outside the 120x160 (HxW) image")):
+            (["--query", "200,0"], "--query 200,0: outside the 120x160 (HxW) image"),
+            (["--query", "-1,5"], "--query -1,5: outside the 120x160 (HxW) image")):
         argv = ["attention", "nat_mini", str(picture), "--layer", "0.0", "--query", "1,1",
                 "-o", str(out)] + args
         with pytest.raises(SystemExit) as info:
@@ -394,5 +430,27 @@ def test_cli_attention_without_matplotlib_says_what_to_install(picture, monkeypa
     with pytest.raises(SystemExit) as info:
         cli.main(["attention", "nat_mini", str(picture), "--layer", "0.0", "--query", "1,1"])
     assert info.value.code == 2
-    assert ('drawing needs matplotlib, not installed: pip install matplotlib (or pip install '
-            '"attnzoo[plot]")') in capsys.readouterr().err
+    assert "drawing needs matplotlib, not installed: pip install matplotlib\n" in \
+        capsys.readouterr().err
+
+
+def test_a_torchvision_that_does_not_match_torch_is_one_line(tmp_path):
+    """A CPU torch beside PyPI's (CUDA) torchvision stops ``import timm`` with torch's
+    "operator torchvision::nms does not exist": the command line says what to install in one
+    line, exit status 2; ``import attnzoo`` raises an ImportError saying the same."""
+    fake = tmp_path / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    for argv in (["-m", "attnzoo", "list"], ["-c", "import attnzoo"]):
+        proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+        expected = ("does not match torch", "Install torchvision from the same index as torch: "
+                    "pip install torchvision --index-url ")
+        assert all(e in proc.stderr for e in expected), proc.stderr
+        if argv[0] == "-m":
+            assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+            assert proc.stderr.startswith("attnzoo: error: timm cannot be imported: ")
+        else:
+            assert "ImportError: timm cannot be imported" in proc.stderr

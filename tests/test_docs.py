@@ -207,3 +207,53 @@ def test_docs_relative_links_point_to_files(page):
         if not path.exists():
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
+
+
+def _fake_wheel(folder: Path, name: str, version: str, requires=()) -> None:
+    """An empty wheel of ``name`` ``version`` (its metadata only): what pip resolves with."""
+    import zipfile
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": "",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
+                 name, version, "".join(f"Requires-Dist: {r}\n" for r in requires)),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+def test_readme_cpu_install_puts_cpu_torch_and_torchvision_in_the_venv_first(tmp_path):
+    """The README's CPU install, offline: its venv made first, then torch and torchvision from
+    one CPU index into it (here stand-in wheels of a local folder), then attnzoo: pip's plan for
+    attnzoo (``--dry-run``) keeps them, installing no torch, torchvision, triton or CUDA
+    package (the README once installed CPU torch outside the venv: 17 CUDA packages and 5.5 GB
+    came with attnzoo)."""
+    [block] = [b for b in blocks_of(ROOT / "README.md") if "whl/cpu" in b.code]
+    lines = [line.strip() for line in block.code.splitlines() if line.strip()]
+    venv, cpu, attnzoo_line = (next(i for i, line in enumerate(lines) if key in line)
+                               for key in ("-m venv", "whl/cpu", "install -e ."))
+    assert venv < cpu < attnzoo_line, lines
+    cpu_line = lines[cpu]
+    assert re.fullmatch(r"pip install torch torchvision --index-url "
+                        r"https://download\.pytorch\.org/whl/cpu", cpu_line), cpu_line
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _fake_wheel(wheels, "torch", "2.14.1+cpu")
+    _fake_wheel(wheels, "torchvision", "0.29.1+cpu", ["torch==2.14.1"])
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
+    pip = [str(tmp_path / "venv" / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+    offline = cpu_line.replace("--index-url https://download.pytorch.org/whl/cpu",
+                               f"--no-index --find-links {wheels}").split()[2:]
+    subprocess.run(pip + ["install", "-q"] + offline, check=True)
+    report = tmp_path / "report.json"
+    result = subprocess.run(pip + ["install", "--dry-run", "-q", "--report", str(report), "-e",
+                                   str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    planned = [item["metadata"]["name"].lower() for item in json.loads(report.read_text())[
+        "install"]]
+    assert "attnzoo" in planned and "timm" in planned, planned
+    heavy = [n for n in planned if n in ("torch", "torchvision", "triton")
+             or n.startswith(("nvidia", "cuda"))]
+    assert not heavy, heavy

@@ -448,6 +448,28 @@ def test_cli_exports_a_checkpoint_s_weights_and_checks_onnxruntime(tmp_path, cap
     assert len(diffs) == 2 and max(diffs) < 1e-4, out  # the export's batch and another
 
 
+def test_cli_exports_a_fine_tuned_train_py_checkpoint_with_its_head(tmp_path, capsys):
+    """A train.py checkpoint of a 2-class fine-tune: export builds the model as train.py did
+    (its args: the class count, the model arguments), as attention, convert and publish do."""
+    import argparse
+    torch.manual_seed(3)
+    cut = {k: v for k, v in tiny_models.NAT_MINI_CUT.items() if k != "num_classes"}
+    model = timm.create_model("nat_mini", num_classes=2, **cut).eval()
+    checkpoint, out_file = tmp_path / "model_best.pth.tar", tmp_path / "ft.onnx"
+    args = argparse.Namespace(model="nat_mini", num_classes=2, model_kwargs=cut)
+    torch.save({"arch": "nat_mini", "epoch": 3, "state_dict": model.state_dict(), "args": args},
+               checkpoint)
+    code, out, err = _run_cli(["export", "nat_mini", str(out_file), "--checkpoint",
+                               str(checkpoint), "--img-size", "64", "--check"], capsys)
+    assert code == 0, err
+    session = onnxruntime.InferenceSession(str(out_file), providers=["CPUExecutionProvider"])
+    x = torch.randn(1, 3, 64, 64)
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    assert got.shape == (1, 2)
+    with torch.no_grad():
+        np.testing.assert_allclose(got, model(x).numpy(), atol=1e-4, rtol=1e-4)
+
+
 def test_cli_rejects_a_checkpoint_that_does_not_fit_in_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.pth"
     torch.save({"head.weight": torch.zeros(3, 3)}, bad)
@@ -495,7 +517,7 @@ def test_cli_names_the_extra_when_onnx_is_missing(tmp_path, capsys, monkeypatch)
     # README "Command line": every mistake is one line, no usage, exit status 2
     assert code == 2 and out == ""
     assert err == ('attnzoo export: error: exporting needs onnxruntime, not installed: '
-                   'pip install "attnzoo[onnx]"\n')
+                   'pip install onnxruntime\n')
 
 
 def test_cli_rejects_a_size_the_model_cannot_run(tmp_path, capsys):

@@ -600,7 +600,7 @@ def test_where_each_tags_weights_are_is_one_record():
     for tag in tags:
         assert f"`attnzoo publish {tag} CHECKPOINT --repo-id {hub.hub_repo(tag)} " in table
     # the cards of unpublished tags do not promise pretrained=True
-    cards = (ROOT / "attnzoo" / "MODEL_CARDS.md").read_text()
+    cards = (ROOT / "MODEL_CARDS.md").read_text()
     assert "timm.create_model('san10_pairwise.in1k', pretrained=False)" in cards
     assert "timm.create_model('nat_mini.in1k', pretrained=True)" in cards
 
@@ -620,7 +620,7 @@ def test_cards_say_which_backends_run_each_op_from_the_registry():
     line = ("`na2d`: torch: runs it; natten: no, NATTEN >= 0.20 has no relative positional "
             "bias (rpb); cuda: runs it")
     assert lines[0] == line and "`attnzoo info nat_mini` tries each on your machine" in lines[-1]
-    cards = (ROOT / "attnzoo" / "MODEL_CARDS.md").read_text()
+    cards = (ROOT / "MODEL_CARDS.md").read_text()
     section = cards[cards.index("## nat_mini\n"):cards.index("## nat_small\n")]
     assert f"- **Attention backends:**\n  - {line}\n" in section
     na, _ = backends_of("nat_mini", depths=(1, 1, 1, 1), rel_pos_bias=False, kernel_size=15)
@@ -641,7 +641,7 @@ def test_model_cards_md_is_generated_from_the_facts_file():
     facts = json.loads(FACTS.read_text())
     assert sorted(facts["models"]) == attnzoo.list_models(), \
         "scripts/model_card_facts.json is stale: python scripts/make_model_cards.py --measure"
-    assert (ROOT / "attnzoo" / "MODEL_CARDS.md").read_text() == hub.model_cards_markdown(facts), \
+    assert (ROOT / "MODEL_CARDS.md").read_text() == hub.model_cards_markdown(facts), \
         "MODEL_CARDS.md is stale: python scripts/make_model_cards.py"
 
 

@@ -63,14 +63,15 @@ def test_na_fused(layout, dtype, rpb, dilation):
     opcheck(ops.na_fused.default, (q, k, v, bias, list(NA_K), dil, 0.5, []))
 
 
-@pytest.mark.parametrize("kv_grad", [True, False], ids=["kv_grad", "q_grad_only"])
-@pytest.mark.parametrize("layout,dtype,rpb,dilation", NA_CASES)
+@pytest.mark.parametrize("layout,dtype,rpb,dilation,kv_grad", [
+    pytest.param(*case.values, True, id=case.id) for case in NA_CASES] + [
+    pytest.param("projection", torch.float32, True, 1, False, id="qkv_views-fp32-rpb-q_grad_only")])
 def test_na_fused_backward(layout, dtype, rpb, dilation, kv_grad):
     q, k, v, bias, dil = _na_inputs(layout, dtype, rpb, dilation, grad=False)
     o, lse = ops.na_fused(q, k, v, bias, list(NA_K), dil, 0.5, [])
     do = laid_out(_randn(*o.shape, dtype=dtype, seed=4), layout)
     opcheck(ops.na_fused_backward.default,
-            (do, q, k, v, bias, o, lse, list(NA_K), dil, 0.5, rpb, kv_grad, []))
+            (do, q, k, v, bias, o, lse, list(NA_K), dil, 0.5, rpb, kv_grad, []), backward_op=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +118,8 @@ def test_qna_fused_backward(v_layout, logits_layout, dtype, stride, sum_queries,
     inputs = _qna_inputs(v_layout, logits_layout, dtype, biases, grad=False)
     out, lse = ops.qna_fused(*inputs, QNA_K, stride, sum_queries)
     g = laid_out(_randn(*out.shape, dtype=dtype, seed=4), v_layout)
-    opcheck(ops.qna_fused_backward.default, (g, *inputs, lse, QNA_K, stride, sum_queries))
+    opcheck(ops.qna_fused_backward.default, (g, *inputs, lse, QNA_K, stride, sum_queries),
+            backward_op=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,8 +145,15 @@ def _out_size(stride):
     return tuple((n - 1) // stride + 1 for n in SAN_SHAPE[2:])
 
 
-@pytest.mark.parametrize("two_inputs", [False, True], ids=["one_input", "two_inputs"])
-@pytest.mark.parametrize("layout,dtype,stride,padding_mode", SAN_CASES)
+def _with(cases, values, ids):
+    """Each case with each of ``values`` appended (its id extended)."""
+    return [pytest.param(*case.values, value, id=f"{case.id}-{name}")
+            for case in cases for value, name in zip(values, ids)]
+
+
+@pytest.mark.parametrize("layout,dtype,stride,padding_mode,two_inputs", _with(
+    SAN_CASES[:2], (False, True), ("one_input", "two_inputs")) + _with(
+    SAN_CASES[2:], (True,), ("two_inputs",)))
 def test_san_subtraction_fused(layout, dtype, stride, padding_mode, two_inputs):
     x1 = laid_out(_randn(*SAN_SHAPE, dtype=dtype), layout, grad=True)
     x2 = laid_out(_randn(*SAN_SHAPE, dtype=dtype, seed=1), "contiguous", True) \
@@ -152,13 +161,14 @@ def test_san_subtraction_fused(layout, dtype, stride, padding_mode, two_inputs):
     opcheck(ops.san_subtraction_fused.default, (x1, x2, *_footprint(stride, padding_mode)))
 
 
-@pytest.mark.parametrize("same", [True, False], ids=["one_input", "two_inputs"])
-@pytest.mark.parametrize("layout,dtype,stride,padding_mode", SAN_CASES)
+@pytest.mark.parametrize("layout,dtype,stride,padding_mode,same", _with(
+    SAN_CASES[:2], (True, False), ("one_input", "two_inputs")) + _with(
+    SAN_CASES[2:], (False,), ("two_inputs",)))
 def test_san_subtraction_fused_backward(layout, dtype, stride, padding_mode, same):
     Ho, Wo = _out_size(stride)
     g = laid_out(_randn(SAN_SHAPE[0], SAN_SHAPE[1], 9, Ho * Wo, dtype=dtype), layout)
     opcheck(ops.san_subtraction_fused_backward.default,
-            (g, list(SAN_SHAPE), same, *_footprint(stride, padding_mode)))
+            (g, list(SAN_SHAPE), same, *_footprint(stride, padding_mode)), backward_op=True)
 
 
 def _aggregation_inputs(layout, dtype, stride, grad):
@@ -175,15 +185,15 @@ def test_san_aggregation_fused(layout, dtype, stride, padding_mode):
     opcheck(ops.san_aggregation_fused.default, (x, weight, *_footprint(stride, padding_mode)))
 
 
-@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)],
-                         ids=["both_grads", "x_grad_only", "weight_grad_only"])
-@pytest.mark.parametrize("layout,dtype,stride,padding_mode", SAN_CASES)
+@pytest.mark.parametrize("layout,dtype,stride,padding_mode,needs", _with(
+    SAN_CASES, ((True, True),), ("both_grads",)) + _with(
+    SAN_CASES[1:2], ((True, False), (False, True)), ("x_grad_only", "weight_grad_only")))
 def test_san_aggregation_fused_backward(layout, dtype, stride, padding_mode, needs):
     x, weight = _aggregation_inputs(layout, dtype, stride, grad=False)
     go = laid_out(_randn(SAN_SHAPE[0], SAN_SHAPE[1], *_out_size(stride), dtype=dtype, seed=2),
                   layout)
     opcheck(ops.san_aggregation_fused_backward.default,
-            (go, x, weight, *needs, *_footprint(stride, padding_mode)))
+            (go, x, weight, *needs, *_footprint(stride, padding_mode)), backward_op=True)
 
 
 def test_every_kernel_op_is_checked_here():

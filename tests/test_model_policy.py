@@ -102,3 +102,22 @@ def test_an_empty_batch_gives_empty_outputs_forward_and_backward(name):
     out.sum().backward()
     assert x.grad.shape == x.shape and not x.grad.any()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", SMALLEST)
+def test_attn_drop_rate_is_taken_or_refused_in_one_line(name):
+    """timm's ``attn_drop_rate``: a family whose attention can drop its weights (QUEST-ViT,
+    timm's ViT) takes it; the others refuse any rate but 0 with one ValueError naming the
+    argument, as NAT did alone (QnA-ViT and SAN said ``unexpected keyword``)."""
+    timm.create_model(name, device="meta", attn_drop_rate=0.)
+    if family(name).token_output:  # timm's ViT: its attention's dropout takes the rate
+        model = timm.create_model(name, device="meta", attn_drop_rate=0.1)
+        assert {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)
+                and m is getattr(getattr(model.blocks[0], "attn", None), "attn_drop", None)} \
+            == {0.1}
+        return
+    with pytest.raises(ValueError) as info:
+        timm.create_model(name, device="meta", attn_drop_rate=0.1)
+    message = str(info.value)
+    assert message.startswith("attn_drop_rate=0.1: ") and "\n" not in message
+    assert "no attention-weight dropout" in message and "drop_path_rate" in message

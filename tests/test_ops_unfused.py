@@ -20,7 +20,7 @@ import torch
 from attnzoo.backends import BackendUnsupportedError
 from attnzoo.ops import na1d, na1d_av, na1d_qk, na2d, na2d_av, na2d_qk
 from oracles import na_scores, na_weighted_sum, neighborhood_attention
-from test_ops_neighborhood import grads_of, legacy_natten, make_inputs  # noqa: F401 (fixture)
+from na_inputs import grads_of, make_inputs
 
 pytestmark = pytest.mark.floor
 

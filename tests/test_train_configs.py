@@ -386,3 +386,31 @@ def test_docs_table_lists_every_config_with_its_expected_top1():
         assert re.search(rf"\| {fact.top1}( after phase 2)? \|$", row.group(0)), row.group(0)
     for name, reason in NO_RECIPE.items():
         assert name in section
+
+
+def _recipe_augmentations():
+    import yaml
+    from attnzoo.configs import recipe_names, recipe_path
+    return sorted({yaml.safe_load(recipe_path(n).read_text()).get("aa") for n in recipe_names()}
+                  - {None})
+
+
+@pytest.mark.parametrize("aa", _recipe_augmentations())
+def test_every_augmentation_op_of_the_recipes_runs_with_the_installed_pillow(aa):
+    """Each recipe's auto-augmentation, every op at its strongest (magnitude 10, no noise), on
+    the installed timm and Pillow: timm <= 1.0.31's PosterizeIncreasing asks Pillow >= 13 for 0
+    bits, which stops NAT's, DiNAT's and DeiT's recipes in their first epoch (the ``train`` and
+    ``dev`` extras keep Pillow below 13)."""
+    from PIL import Image
+    from timm.data import create_transform
+    from timm.data.auto_augment import AugmentOp
+    image = Image.radial_gradient("L").convert("RGB").resize((32, 32))
+    ops = [t for t in create_transform(32, is_training=True, auto_augment=aa).transforms
+           if hasattr(t, "ops") or hasattr(t, "policy")]
+    ops = [op for t in ops for op in (t.ops if hasattr(t, "ops") else
+                                       [o for sub in t.policy for o in sub])]
+    assert ops and all(isinstance(op, AugmentOp) for op in ops)
+    for op in ops:
+        strongest = AugmentOp(op.name, prob=1.0, magnitude=10, hparams={
+            **op.hparams, "magnitude_std": 0})
+        assert strongest(image).size == image.size, op.name

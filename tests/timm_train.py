@@ -24,7 +24,7 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 
 from timm_train_options import load_table
 
-CONFIGS = Path(__file__).resolve().parent.parent / "attnzoo" / "configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 # model_kwargs shrinking each family's smallest model for the training tests (32 px input)
 TINY = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -206,14 +206,30 @@ def check_state_dict(state_dict: Dict[str, Any], model: nn.Module,
     if missing or unexpected or mismatched:
         lines = []
         if missing:
-            lines.append(f"missing from the checkpoint ({len(missing)}): {', '.join(missing)}")
+            lines.append(f"missing from the checkpoint ({len(missing)}): {_first(missing, ', ')}")
         if unexpected:
-            lines.append(f"not in the model ({len(unexpected)}): {', '.join(unexpected)}")
+            lines.append(f"not in the model ({len(unexpected)}): {_first(unexpected, ', ')}")
         if mismatched:
-            lines.append(f"shape mismatch ({len(mismatched)}): {'; '.join(mismatched)}")
+            lines.append(f"shape mismatch ({len(mismatched)}): {_first(mismatched, '; ')}")
         raise ValueError(f"checkpoint does not match {type(model).__name__} "
-                         "(wrong variant, kernel size or depth?):\n  " + "\n  ".join(lines))
+                         "(wrong variant, kernel size or depth?):\n  " + ";\n  ".join(lines))
     return state_dict
+
+
+def _first(items: List[str], sep: str, shown: int = 4) -> str:
+    """The first ``shown`` of ``items``, and how many more: an error line stays readable when a
+    checkpoint of another model misses every key."""
+    more = len(items) - shown
+    return sep.join(items[:shown]) + (f"{sep}and {more} more" if more > 0 else "")
+
+
+def check_attn_drop_rate(rate: float, family: str, why: str) -> None:
+    """``attn_drop_rate`` (timm's name for attention-weight dropout, which its ViTs take): a
+    family whose attention cannot drop its weights refuses any rate but 0 in one line, saying
+    ``why`` and what to use instead; 0 builds the model as without it."""
+    if rate:
+        raise ValueError(f"attn_drop_rate={rate}: {family} has no attention-weight dropout: "
+                         f"{why} (use drop_path_rate, or proj_drop_rate where the model has it)")
 
 
 @register_notrace_function

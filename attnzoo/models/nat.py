@@ -47,8 +47,8 @@ from timm.layers import (
 from timm.models import generate_default_cfgs
 
 from ..layers import NeighborhoodAttention2d
-from ._helpers import (check_state_dict, per_stage, rename_key, replace_prefix,
-                       unwrap_checkpoint)
+from ._helpers import (check_attn_drop_rate, check_state_dict, per_stage, rename_key,
+                       replace_prefix, unwrap_checkpoint)
 from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, mlp_rows, staged_cfg
 from ._weights import hub_weights
@@ -206,6 +206,8 @@ class NAT(StagedModel):
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
+        check_attn_drop_rate(attn_drop_rate, "NAT", "its neighborhood-attention op fuses the "
+                                                    "softmax")
         num_stages = len(depths)
         heads = per_stage(num_heads, num_stages, "num_heads")
         kernel_sizes = per_stage(kernel_size, num_stages, "kernel_size")

@@ -58,7 +58,7 @@ from timm.models import generate_default_cfgs, register_notrace_function
 from .. import backends
 from ..layers import LocalSelfAttention, QnA
 from ..layers.quest import check_attn_norm
-from ._helpers import check_state_dict, per_stage, unwrap_checkpoint
+from ._helpers import check_attn_drop_rate, check_state_dict, per_stage, unwrap_checkpoint
 from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, mlp_rows, staged_cfg
 from ._weights import hub_weights
@@ -227,6 +227,8 @@ class QnAViT(StagedModel):
         mlp_ratio: MLP hidden width / dim.
         proj_drop_rate: dropout after attention / MLP projections.
         drop_path_rate: stochastic depth, linear from 0 over every block in execution order.
+        attn_drop_rate: attention-weight dropout, timm's argument: must be 0 (the op fuses the
+            weighting; a nonzero rate raises ``ValueError``).
         backend: ``qna2d`` backend for every QnA layer (``None``: follow
             :mod:`attnzoo.backends`).
         attn_norm: ``"none"`` (QnA-ViT) or ``"quest"``: the LSA blocks normalise their keys
@@ -251,11 +253,14 @@ class QnAViT(StagedModel):
             drop_rate: float = 0.,
             proj_drop_rate: float = 0.,
             drop_path_rate: float = 0.05,
+            attn_drop_rate: float = 0.,
             backend: Optional[str] = None,
             attn_norm: str = "none",
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
+        check_attn_drop_rate(attn_drop_rate, "QnA-ViT",
+                             "its QnA op fuses the softmax with the window sum")
         check_attn_norm(attn_norm)   # also where no stage has LSA blocks
         num_stages = len(qna_depths)
         lsa_depths = per_stage(lsa_depths, num_stages, "lsa_depths")

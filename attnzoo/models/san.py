@@ -41,7 +41,8 @@ from timm.layers import BatchNormAct2d, DropPath, calculate_drop_path_rates
 from timm.models import generate_default_cfgs
 
 from ..layers import SAM
-from ._helpers import check_state_dict, per_stage, rename_key, unwrap_checkpoint
+from ._helpers import (check_attn_drop_rate, check_state_dict, per_stage, rename_key,
+                       unwrap_checkpoint)
 from ._registry import register_model
 from ._staged import Stage, StagedModel, build_staged, staged_cfg
 from ._weights import hub_weights
@@ -150,6 +151,8 @@ class SAN(StagedModel):
         share_planes: channels sharing one attention weight.
         padding_mode: ``'reflect'`` (official; inputs >= 128 px) or ``'zeros'``.
         drop_path_rate: stochastic depth, linear from 0 over all blocks (official: none).
+        attn_drop_rate: attention-weight dropout, timm's argument: must be 0 (the op fuses the
+            weighting; a nonzero rate raises ``ValueError``).
         backend: backend of the SAN ops for every layer (``None``: follow
             :mod:`attnzoo.backends`).
     """
@@ -171,10 +174,13 @@ class SAN(StagedModel):
             padding_mode: str = 'reflect',
             drop_rate: float = 0.,
             drop_path_rate: float = 0.,
+            attn_drop_rate: float = 0.,
             backend: Optional[str] = None,
             device=None, dtype=None,
     ):
         dd = {"device": device, "dtype": dtype}
+        check_attn_drop_rate(attn_drop_rate, "SAN",
+                             "its aggregation op fuses the weighting with the footprint sum")
         num_stages = len(depths)
         widths = per_stage(widths, num_stages, "widths")
         kernel_sizes = per_stage(kernel_sizes, num_stages, "kernel_sizes")
