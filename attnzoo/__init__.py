@@ -68,6 +68,20 @@ def _stop(message: str) -> None:
 
 _import_timm()
 
+def _quiet_tracer_warnings() -> None:
+    """torch.jit.trace (the TorchScript ONNX exporter's, timm's onnx_export.py's) warns at every
+    Python use of a traced size: attnzoo's argument checks and constants of fixed sizes (head
+    dims, kernel sizes), where baking the answer in is meant; while exporting, the ops run
+    formulas that follow the input's size (backends.exporting), checked at other sizes by the
+    export tests. Only the warnings attributed to attnzoo's own modules are left out."""
+    import warnings
+
+    import torch
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"attnzoo(\.|$)")
+
+
+_quiet_tracer_warnings()
+
 from . import backends, ops  # noqa: E402
 from .backends import BackendUnsupportedError, get_backend, set_backend, use_backend  # noqa: E402
 from . import layers, models  # noqa: F401,E402  (models registers the models with timm)

@@ -310,9 +310,11 @@ def _cmd_info(args, parser) -> int:
         print("backends: none needed (no attnzoo op)")
         return 0
     device = _check_device(parser, args.device)
-    print(f"attnzoo ops: {', '.join(facts['ops'])}; backends here (a forward on {device}):",
-          flush=True)
     model = timm.create_model(arch).eval().to(device)
+    size, calls = hub.op_calls(model)
+    print(f"attnzoo ops of a {size} forward: " + ", ".join(
+        f"{op} x {n}" for op, n in calls.items()), flush=True)
+    print(f"backends here ({device}):", flush=True)
     for name, reason in hub.backends_here(model).items():
         print(f"  {name}: {'runs it' if reason is None else 'no: ' + reason}", flush=True)
     return 0
@@ -432,9 +434,10 @@ def _cmd_export(args, parser) -> int:
     print(f"exporting {args.model} at {size}x{size} with the {exporter} exporter, dynamic "
           f"batch{' and size' if args.dynamic_size else ''}...", flush=True)
     from timm.utils.onnx import onnx_export
-    with warnings.catch_warnings():  # the tracer's notes on Python checks of traced sizes
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with warnings.catch_warnings():  # torch's notes, which name none of the user's choices:
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # Python checks of traced sizes
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's future
+        warnings.filterwarnings("ignore", "Constant folding - Only steps=1", UserWarning)
         onnx_export(model, args.out, example_input=x, opset=args.opset,
                     dynamic_size=args.dynamic_size, use_dynamo=args.dynamo, check=True)
     import onnx
@@ -560,7 +563,11 @@ def _cmd_attention(args, parser) -> int:
     n = amap.weights.shape[amap.axes.index(group)]
     labels = ([f"{group} {i}" for i in range(n)] if args.head == "all" else
               [f"mean of {n} {group}s"] if args.head == "mean" else [f"{group} {args.head}"])
-    title = f"{args.model} {name}\nquery ({gy}, {gx}) of its {rows}x{cols} grid"
+    if "query" in amap.axes:  # QnA: each learned query has its own weights; their mean drawn
+        queries = amap.weights.shape[amap.axes.index("query")]
+        labels = [f"{label}, mean of {queries} learned queries" for label in labels]
+    title = (f"{args.model} {name}: query ({gy}, {gx}) of its {rows}x{cols} grid\n"
+             f"the model saw the {W}x{H} image resized to {size}x{size}; drawn at its own size")
     draw_attention(image, heat, (qx, qy), args.out, title, labels)
     print(f"wrote {args.out}: {name}, query at pixel ({qy:g}, {qx:g}) = grid ({gy}, {gx}) of "
           f"{rows}x{cols}, {labels[0] if len(labels) == 1 else f'{len(labels)} {group}s'}",
@@ -653,17 +660,23 @@ _PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 
 
 def _cmd_configs(args, parser) -> int:
-    from .configs import recipe_names, recipe_path
+    from .configs import recipe_names, recipe_path, short_job
     if args.name is None:
-        if args.out:
-            parser.error("-o/--out needs a recipe NAME: `attnzoo configs NAME -o FILE`")
+        if args.out or args.short:
+            parser.error(f"{'-o/--out' if args.out else '--short'} needs a recipe NAME: "
+                         "`attnzoo configs NAME ...`")
         width = max(map(len, recipe_names()))
         for name in recipe_names():
             print(f"{name:<{width}}  {recipe_path(name)}")
         return 0
     path = recipe_path(args.name)
+    if args.short and args.num_classes is None:
+        parser.error("--short needs --num-classes: the class count of your data")
+    if args.num_classes is not None and not args.short:
+        parser.error("--num-classes goes with --short (a recipe's class count is ImageNet's)")
+    text = short_job(args.name, args.num_classes) if args.short else None
     if not args.out:
-        print(path)
+        print(text.rstrip("\n") if args.short else path)
         return 0
     if os.path.exists(args.out):
         parser.error(f"-o {args.out}: the file exists; give a new path")
@@ -671,8 +684,9 @@ def _cmd_configs(args, parser) -> int:
     if not os.path.isdir(folder):
         parser.error(f"-o {args.out}: folder {folder!r} does not exist")
     with open(args.out, "w", encoding="utf-8") as f:
-        f.write(path.read_text(encoding="utf-8"))
-    print(f"wrote {args.out}, a copy of {path}: train.py --config {args.out}")
+        f.write(text or path.read_text(encoding="utf-8"))
+    what = "a short CPU job from" if args.short else "a copy of"
+    print(f"wrote {args.out}, {what} {path}: train.py --config {args.out}")
     return 0
 
 
@@ -890,7 +904,14 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(default: all)")
     p.set_defaults(func=_cmd_check, parser=p)
 
-    p = command("attention", "draw one query's attention weights in one layer over an image")
+    p = command("attention", "draw one query's attention weights in one layer over an image",
+                epilog=textwrap.fill(
+                    "The model sees the whole image resized to its square input size (--img-size) "
+                    "and normalised as its config says; the picture shows the weights over the "
+                    "image at its own size, with a colour bar of their range, the query ringed. "
+                    "QnA-ViT's QnA layers weight each window once per learned query: their mean "
+                    "is drawn. SAN's patchwise weights are not normalised and can be negative: "
+                    "a diverging map centred on 0 shows them.", 79))
     p.add_argument("model", help="an attnzoo model or pretrained tag, e.g. nat_mini")
     p.add_argument("image", help="an image file (any format PIL reads)")
     p.add_argument("--layer", required=True,
@@ -900,7 +921,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the query's position, in pixels of the image (row, column)")
     p.add_argument("--head", type=_head, default="mean",
                    help="a head index (SAN: channel group), mean (their average) or all (one "
-                        "panel each)")
+                        "panel each); QnA's learned queries are always averaged")
     p.add_argument("--checkpoint", default=None,
                    help="weights to load: an official checkpoint, a train.py checkpoint or a "
                         "safetensors file (as publish reads them); default: random weights")
@@ -910,7 +931,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's input size (default: the model's)")
     p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="create_model arguments, e.g. num_classes=10 (default: none)")
-    p.add_argument("-o", "--out", default="attention.png", help="the picture to write")
+    p.add_argument("-o", "--out", default="attention.png",
+                   help="the picture to write; its extension is its format (png, pdf, svg, ...)")
     p.set_defaults(func=_cmd_attention, parser=p)
 
     p = command("configs", "the training recipes shipped with attnzoo (timm train.py "
@@ -919,6 +941,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a recipe: print its path, for train.py --config (default: list all)")
     p.add_argument("-o", "--out", default=None,
                    help="write a copy of the recipe to this new file (default: print its path)")
+    p.add_argument("--short", action="store_true",
+                   help="the recipe as a short CPU job instead (one epoch, no warm-up or "
+                        "cooldown, fp32, batch 8, the recipe's peak lr): printed, or written "
+                        "with -o (default: the recipe as it is)")
+    p.add_argument("--num-classes", type=_int_at_least(1), default=None,
+                   help="with --short: the class count of your data (default: none; --short "
+                        "needs it)")
     p.set_defaults(func=_cmd_configs, parser=p)
 
     p = command("timm", "run a timm script (train.py, validate.py, benchmark.py, inference.py) "

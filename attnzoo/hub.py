@@ -27,6 +27,7 @@ Model cards
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import json
@@ -79,6 +80,8 @@ PAPER_TOP1: Dict[str, Tuple[float, str]] = {
         ("quest_deit3_large_patch16_224", 84.1, "DeiT-3, 400+20 epochs"),
         ("quest_deit3_huge_patch14_224", 83.4, "DeiT-3, 400+20 epochs"))},
 }
+
+IMAGENET_VAL_IMAGES = 50_000  # ImageNet-1k's validation set, where the papers' top-1 is measured
 
 # What transformers (4.57 to 5.24, measured) raises when timm does not know the architecture:
 # `import attnzoo` was left out.
@@ -459,14 +462,24 @@ def measure_facts(model: torch.nn.Module) -> Dict[str, Any]:
             "backends": {op: backends.call_limits(op, keys) for op, keys in calls.items()}}
 
 
-def backends_here(model: torch.nn.Module) -> Dict[str, Optional[str]]:
-    """Each concrete backend: None if it runs a forward of ``model`` here (one image on its
-    device, of its smallest input size, 64x64 where any size goes), else why not (every backend
-    "runs" a model without attnzoo ops)."""
+def _probe_input(model: torch.nn.Module) -> torch.Tensor:
+    """One image on ``model``'s device, of its smallest input size (64x64 where any size
+    goes)."""
     cfg = model.pretrained_cfg
     size = cfg["input_size"] if cfg.get("fixed_input_size") else (
         cfg.get("min_input_size") or (3, 64, 64))
-    x = torch.randn(1, *input_shape(model, size), device=next(model.parameters()).device)
+    return torch.randn(1, *input_shape(model, size), device=next(model.parameters()).device)
+
+
+# a refusal's reason, without the op's call signature and the alternatives (backends.resolve)
+_REFUSAL = re.compile(r"backend '\w+' cannot run \w+ here: (?P<reason>.*?)\. Backends that can: ",
+                      re.S)
+
+
+def backends_here(model: torch.nn.Module) -> Dict[str, Optional[str]]:
+    """Each concrete backend: None if it runs a forward of ``model`` here (:func:`_probe_input`),
+    else why not, in a phrase (every backend "runs" a model without attnzoo ops)."""
+    x = _probe_input(model)
     result: Dict[str, Optional[str]] = {}
     for name in backends.CONCRETE_BACKENDS:
         try:
@@ -474,8 +487,25 @@ def backends_here(model: torch.nn.Module) -> Dict[str, Optional[str]]:
                 model(x)
             result[name] = None
         except backends.BackendUnsupportedError as e:
-            result[name] = str(e)
+            match = _REFUSAL.match(str(e))
+            result[name] = match["reason"] if match else str(e)
     return result
+
+
+def op_calls(model: torch.nn.Module) -> Tuple[str, Dict[str, int]]:
+    """The attnzoo op calls of a forward of ``model`` (:func:`_probe_input`, on the torch
+    reference): the input's size as ``HxW``, and how many times each op is called."""
+    x = _probe_input(model)
+    counts: Dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def counting(op: str, backend: str, macs: int):
+        counts[op] = counts.get(op, 0) + 1
+        yield
+
+    with torch.no_grad(), backends.use_backend("torch"), backends.observe_ops(counting):
+        model(x)
+    return f"{x.shape[-2]}x{x.shape[-1]}", counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -645,9 +675,16 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         top1, where = PAPER_TOP1[arch]
         rows.append(f"| paper | {top1} | | {where}"
                     f"{'' if n == 1000 else ' (ImageNet-1k, the architecture trained there)'} |")
-    if evaluation:
+    # a measured top-1 sits beside the paper's only where it is the paper's measure: every image
+    # of ImageNet-1k's validation set, 1000 classes; else it is said apart
+    comparable = evaluation and n == 1000 and evaluation["images"] >= IMAGENET_VAL_IMAGES
+    if comparable:
         rows.append(f"| measured | {evaluation['top1']:.2f} | {evaluation['top5']:.2f} | "
                     f"`attnzoo publish --eval-dir` on {evaluation['images']} images |")
+    measured = "" if comparable or not evaluation else (
+        f"Measured by `attnzoo publish --eval-dir` on {evaluation['images']} images ({n} "
+        f"classes): top-1 {evaluation['top1']:.2f}, top-5 {evaluation['top5']:.2f}. A check of "
+        "these weights on those images, not comparable with a paper's ImageNet-1k figure.")
     card: Dict[str, Any] = {
         "tags": ["image-classification", "timm", "transformers", "attnzoo",
                  *([f"arxiv:{paper_id.split(':')[-1]}"] if paper_id else [])],
@@ -655,8 +692,9 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         "details": details,
         "usage": usage,
     }
-    if len(rows) > 2:
-        card["comparison"] = "\n".join(rows)
+    if len(rows) > 2 or measured:
+        card["comparison"] = "\n\n".join(
+            ["\n".join(rows)] * (len(rows) > 2) + [measured] * bool(measured))
     bibtex = _bibtex(arch, paper_id) if paper_id else None
     if bibtex:
         card["citation"] = bibtex
@@ -814,6 +852,13 @@ def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, A
     config["pretrained_cfg"].pop("notes", None)
     config_path.write_text(json.dumps(config, indent=2))
     (out / "README.md").write_text(readme(card, title), encoding="utf-8")
+    # every file as the umask makes a new file (0644 with the usual 022): safetensors writes
+    # its file through a private temporary (0600), which others could not read
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
     return out
 
 

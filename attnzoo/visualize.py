@@ -67,8 +67,11 @@ def query_heat(amap: AttentionMap, query: Tuple[int, int], head: Union[int, str]
 
 def draw_attention(image, heat: torch.Tensor, query_xy: Tuple[float, float], out: str,
                    title: str, labels: Optional[List[str]] = None) -> None:
-    """Save ``image`` (a PIL image) with each ``heat [n, h, w]`` map stretched over it, one
-    panel per map, the query marked."""
+    """Save ``image`` (a PIL image, drawn at its own aspect ratio) with each ``heat [n, h, w]``
+    map stretched over it, one panel per map: the query marked (+), axes in the image's pixels, and
+    a colour bar with the map's range. Positions outside the query's window (weight exactly 0)
+    stay transparent. Weights that can be negative (SAN's patchwise weights are not normalised)
+    take a diverging map centred on 0; softmax weights a sequential one from 0."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -79,21 +82,35 @@ def draw_attention(image, heat: torch.Tensor, query_xy: Tuple[float, float], out
     n = heat.shape[0]
     cols = min(n, 4)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows + 0.6), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows + 0.9), squeeze=False)
     W, H = image.size
     for i, ax in enumerate(axes.flat):
-        ax.axis("off")
         if i >= n:
+            ax.axis("off")
             continue
         ax.imshow(image)
-        # keys with no weight stay transparent: the picture shows the window itself
         weights = heat[i].numpy()
-        ax.imshow(numpy.ma.masked_where(weights <= 0, weights), extent=(0, W, H, 0),
-                  cmap="inferno", vmin=0, alpha=0.75, interpolation="nearest")
-        ax.plot(*query_xy, marker="+", color="cyan", markersize=14, mew=2)
+        low, high = float(weights.min()), float(weights.max())
+        if low < 0:  # signed weights: white at 0, red above, blue below
+            bound = max(-low, high) or 1.0
+            style = dict(cmap="RdBu_r", vmin=-bound, vmax=bound)
+        else:
+            style = dict(cmap="inferno", vmin=0, vmax=high or 1.0)
+        drawn = ax.imshow(numpy.ma.masked_where(weights == 0, weights), extent=(0, W, H, 0),
+                          alpha=0.75, interpolation="nearest", **style)
+        bar = fig.colorbar(drawn, ax=ax, fraction=0.046, pad=0.03)
+        bar.set_label(f"weight, {low:.3g} to {high:.3g}", fontsize=8)
+        bar.ax.tick_params(labelsize=7)
+        ax.plot(*query_xy, marker="+", markersize=9, color="black", mew=3)
+        ax.plot(*query_xy, marker="+", markersize=9, color="cyan", mew=1.5)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("x (pixels)", fontsize=8)
+        ax.set_ylabel("y (pixels)", fontsize=8)
         if labels:
             ax.set_title(labels[i], fontsize=10)
-    fig.suptitle(title, fontsize=10)
+    import textwrap  # the title's lines fit the panels' width (~55 characters a panel)
+    fig.suptitle("\n".join(textwrap.fill(line, 55 * cols) for line in title.splitlines()),
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

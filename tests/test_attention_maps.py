@@ -219,3 +219,39 @@ def test_the_heat_of_a_query_is_its_window():
                                .new_zeros(9, 10).index_put_(
                                    (torch.tensor(ys).repeat_interleave(3),
                                     torch.tensor(xs).repeat(3)), amap.weights[0, 8, 0].mean(0)))
+
+
+def test_the_picture_has_a_scale_the_query_and_signed_weights(tmp_path, monkeypatch):
+    """draw_attention: a colour bar with the weights' range on each panel and the query marked;
+    weights below 0 (SAN patchwise) drawn in a diverging map centred on 0, not left out;
+    positions of weight exactly 0 (outside the window) left transparent; softmax weights on a
+    sequential map from 0."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+    from matplotlib.colorbar import Colorbar
+    from PIL import Image
+
+    from attnzoo.visualize import draw_attention
+    labels, layers, marks = [], [], []
+    for cls, name, record in ((Colorbar, "set_label", lambda a, k: a[0] and labels.append(a[0])),
+                              (Axes, "imshow", lambda a, k: layers.append((a[0], k))),
+                              (Axes, "plot", lambda a, k: marks.append(a))):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, real=real, record=record, **k: (
+            record(a, k), real(self, *a, **k))[1])
+    image = Image.new("RGB", (80, 40), (128, 128, 128))
+    heat = torch.zeros(1, 2, 4)
+    heat[0, :, 0], heat[0, :, 1] = -1.0, 0.5
+    draw_attention(image, heat, (70.0, 30.0), str(tmp_path / "s.png"), "signed", ["mean"])
+    assert labels == ["weight, -1 to 0.5"]
+    (_, _), (weights, style) = layers  # the image, then the weights over it
+    assert style["cmap"] == "RdBu_r" and (style["vmin"], style["vmax"]) == (-1.0, 1.0)
+    assert weights.mask.tolist() == [[False, False, True, True]] * 2  # zeros: transparent
+    assert weights.min() == -1.0  # the negative weights are drawn
+    assert all(mark[:2] == (70.0, 30.0) for mark in marks) and marks
+    labels.clear()
+    layers.clear()
+    draw_attention(image, heat.clamp(min=0), (70.0, 30.0), str(tmp_path / "p.png"), "softmax")
+    (_, _), (weights, style) = layers
+    assert style["cmap"] == "inferno" and (style["vmin"], style["vmax"]) == (0, 0.5)
+    assert labels == ["weight, 0 to 0.5"]

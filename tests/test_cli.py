@@ -167,6 +167,10 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
      "the following arguments are required: --layer"),
     (["configs", "nat_tny"], "no training recipe named 'nat_tny'; did you mean nat_tiny"),
     (["configs", "-o", "x.yaml"], "-o/--out needs a recipe NAME"),
+    (["configs", "nat_mini", "--short"], "--short needs --num-classes: the class count of your "
+                                         "data"),
+    (["configs", "nat_mini", "--num-classes", "3"], "--num-classes goes with --short"),
+    (["configs", "--short"], "--short needs a recipe NAME"),
     (["configs", "nat_tiny", "-o", "/no/such/dir/x.yaml"],
      "folder '/no/such/dir' does not exist"),
 ])

@@ -414,3 +414,24 @@ def test_every_augmentation_op_of_the_recipes_runs_with_the_installed_pillow(aa)
         strongest = AugmentOp(op.name, prob=1.0, magnitude=10, hparams={
             **op.hparams, "magnitude_std": 0})
         assert strongest(image).size == image.size, op.name
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_the_short_job_of_every_recipe_is_valid_and_keeps_its_lr_above_the_floor(name):
+    """`attnzoo configs NAME --short --num-classes N`: the recipe as train.py takes it, with
+    every override a train.py option of its type: one epoch, no warm-up or cooldown, fp32, a
+    small batch, the CPU, the data's classes, and a fixed lr at the recipe's peak, above its
+    min_lr (the linear rule at batch 8 put NAT's 3.9e-6 under its 5e-6 floor, which the cosine
+    then raised to)."""
+    import yaml
+    from attnzoo.configs import SHORT_JOB, short_job
+    text = short_job(name, num_classes=3)
+    assert text.startswith(f"# A short CPU job from attnzoo's {name} recipe")
+    config = yaml.safe_load(text)
+    check_config(config)
+    recipe = timm_train.read_config(timm_train.CONFIGS / f"{name}.yaml")
+    overrides = dict(SHORT_JOB, num_classes=3)
+    assert {k: config[k] for k in overrides} == overrides
+    assert config["lr"] == recipe.get("lr", recipe.get("lr_base"))
+    assert config["lr"] >= config.get("min_lr", 0)  # DeiT III's phase 2: a constant 1e-5
+    assert all(config[k] == v for k, v in recipe.items() if k not in overrides and k != "lr")

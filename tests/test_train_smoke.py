@@ -234,3 +234,31 @@ def test_timm_train_py_trains_an_epoch_from_the_config_and_resumes(
     assert "Train: 1 [" in log and "Train: 0 [" not in log  # resumed at the second epoch
     with open(tmp_path / "resumed" / "summary.csv") as f:
         assert [row["epoch"] for row in csv.DictReader(f)] == ["1"]
+
+
+@pytest.mark.slow
+def test_the_short_job_of_docs_training_runs_as_written(image_folder, tmp_path):
+    """docs/training.md's "A short job from a recipe": `attnzoo configs nat_mini --short`, then
+    the clone's train.py from that file as it is and validate.py on its checkpoint, with the
+    data's class count (at 224 px: the recipe's size)."""
+    checkout = os.environ.get("ATTNZOO_TIMM_CHECKOUT")
+    if not checkout:
+        pytest.skip("set ATTNZOO_TIMM_CHECKOUT to a timm clone to run its train.py")
+    short = tmp_path / "nat_mini_short.yaml"
+    assert cli.main(["configs", "nat_mini", "--short", "--num-classes", str(CLASSES), "-o",
+                     str(short)]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    for command in (
+            [sys.executable, "-P", "train.py", "--config", str(short), "--data-dir",
+             str(image_folder), "--output", str(tmp_path / "out"), "--experiment", "short"],
+            [sys.executable, "-m", "attnzoo", "timm", "validate.py", "--data-dir",
+             str(image_folder), "--split", "validation", "--model", "nat_mini",
+             "--num-classes", str(CLASSES), "--checkpoint",
+             str(tmp_path / "out" / "short" / "model_best.pth.tar"), "--device", "cpu",
+             "-b", "8", "--results-file", str(tmp_path / "results.json"),
+             "--results-format", "json"]):
+        proc = subprocess.run(command, cwd=checkout, capture_output=True, text=True,
+                              timeout=900, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["model"] == "nat_mini" and 0 <= results["top1"] <= 100

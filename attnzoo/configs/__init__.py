@@ -6,7 +6,7 @@ import difflib
 from pathlib import Path
 from typing import List
 
-__all__ = ["recipe_names", "recipe_path"]
+__all__ = ["recipe_names", "recipe_path", "short_job", "SHORT_JOB"]
 
 _HERE = Path(__file__).resolve().parent
 
@@ -31,3 +31,30 @@ def recipe_path(name: str) -> Path:
         hint = f"did you mean {', '.join(close)}?" if close else "`attnzoo configs` lists them"
         raise ValueError(f"no training recipe named {name!r}; {hint}")
     return path
+
+
+# A short CPU job from a recipe, as train.py takes it (``attnzoo configs NAME --short``): one
+# epoch without warm-up or cooldown (the cosine's floor would otherwise come after the job), fp32
+# (a recipe's fp16 AMP runs some 20x slower on a CPU), a small batch, the CPU, progress every
+# step. The lr is the recipe's own peak at its reference batch (``lr_base``): the linear rule at
+# a small batch would put it below the recipe's ``min_lr``, and the cosine would then raise it.
+SHORT_JOB = dict(epochs=1, warmup_epochs=0, cooldown_epochs=0, amp=False, device="cpu",
+                 batch_size=8, validation_batch_size=8, workers=2, log_interval=1,
+                 checkpoint_hist=1, aug_repeats=0)
+
+
+def short_job(name: str, num_classes: int) -> str:
+    """Recipe ``name`` as a short CPU job on a dataset of ``num_classes`` classes
+    (:data:`SHORT_JOB`), a YAML text for ``train.py --config`` with a header saying so."""
+    import yaml
+    config = yaml.safe_load(recipe_path(name).read_text(encoding="utf-8"))
+    overrides = dict(SHORT_JOB, num_classes=num_classes)
+    if "lr" not in config and "lr_base" in config:
+        overrides["lr"] = config["lr_base"]  # the peak at the recipe's reference batch
+    config.update(overrides)
+    header = (f"# A short CPU job from attnzoo's {name} recipe (`attnzoo configs {name} --short "
+              f"--num-classes {num_classes}`): the recipe, with\n#   " + ", ".join(
+                  f"{k}={v!r}" for k, v in overrides.items()) + "\n# Not the paper's recipe: "
+              f"`attnzoo configs {name}` is.\n")
+    return header + yaml.safe_dump(config, sort_keys=False)
+

@@ -513,7 +513,7 @@ _PADDING = -2 ** 40  # an axis term of a key in the padding: every sum with it s
 
 
 def _na_rows(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
-             device: torch.device, padded: bool, stride: int, heads: int) -> _Rows:
+             device: torch.device, padded: bool, stride: int, heads: Optional[int]) -> _Rows:
     """Where every query of the row-major flattened map finds itself, its ``K**n`` keys and
     values, and their relative biases, from the axes' :func:`_axis_neighbours`: the index
     tensors of :func:`na_export_rows`, tensor ops of the sizes only (an exported graph derives
@@ -522,7 +522,8 @@ def _na_rows(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
     Token ``t`` owns rows ``stride * t`` on: q, k, v with ``stride`` 3 (one tensor holds the
     three), the same row of three tensors with ``stride`` 1. ``padded``: each axis is taken as
     zero-padded at its end to at least ``K * d``, token 0 stands for the padding (every key in
-    it reads token 0) and the map's tokens follow. ``heads``: the bias rows' heads (0: none)."""
+    it reads token 0) and the map's tokens follow. ``heads``: the bias rows' heads (None: no
+    bias; a size traced by torch.jit.trace is a tensor, so only ``is None`` is asked of it)."""
     n, shift = len(spatial), int(padded)
     k_off, v_off = (1, 2) if stride == 3 else (0, 0)
     keys = bias = None
@@ -533,13 +534,13 @@ def _na_rows(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
         term = key_a * key_step
         if padded:
             term = torch.where(key_a < L, term, _PADDING)
-        terms = [term, rel_a * table_step if table_step > 1 else rel_a] if heads else [term]
+        terms = [term] if heads is None else [term, rel_a * table_step if table_step > 1 else rel_a]
         for _ in range(n - 1 - a):  # [L, K] -> [L, 1 * (n - 1), K, 1 * (n - 1 - a)]
             terms = [t.unsqueeze(-1) for t in terms]
         for _ in range(n - 1):
             terms = [t.unsqueeze(1) for t in terms]
         keys = terms[0] if keys is None else keys + terms[0]
-        if heads:
+        if heads is not None:
             bias = terms[1] if bias is None else bias + terms[1]
         key_step, table_step = key_step * L, table_step * (2 * K - 1)
     k = keys + (stride * shift + k_off)
@@ -549,7 +550,7 @@ def _na_rows(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
     v = k if v_off == k_off else k + (v_off - k_off)
     q = torch.arange(stride * shift, stride * (math.prod(spatial) + shift), stride,
                      device=device)
-    if heads:
+    if heads is not None:
         taps = math.prod(kernel_size)
         bias = bias.reshape(-1, taps, 1) \
             + torch.arange(0, heads * table_step, table_step, device=device)
@@ -557,7 +558,8 @@ def _na_rows(spatial, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
 
 
 def _shared_rows(like: torch.Tensor, spatial, kernel_size: Tuple[int, ...],
-                 dilation: Tuple[int, ...], padded: bool, stride: int, heads: int) -> _Rows:
+                 dilation: Tuple[int, ...], padded: bool, stride: int,
+                 heads: Optional[int]) -> _Rows:
     """:func:`_na_rows` once per torch.export trace and geometry
     (:func:`attnzoo.backends.export_memo`): a stage's blocks share them."""
     return backends.export_memo(("na", *spatial, kernel_size, dilation, padded, stride, heads,
@@ -595,7 +597,7 @@ def na_export_rows(qkv: torch.Tensor, spatial, kernel_size: Tuple[int, ...],
     key in the padding reads: no shape holds the padded size (a max() of the size, which made
     every later shape's symbolic work slower)."""
     rows = _shared_rows(qkv, spatial, kernel_size, dilation, padded, 3,
-                        qkv.shape[-2] if rpb is not None else 0)
+                        qkv.shape[-2] if rpb is not None else None)
     return _na_export_core(qkv.index_select(1, rows.q), qkv, qkv, rows,
                            math.prod(kernel_size), rpb, scale)
 
@@ -617,7 +619,7 @@ def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tu
     n = len(kernel_size)
     B, spatial, heads = q.shape[0], q.shape[1:1 + n], q.shape[-2]
     rows = _shared_rows(q, spatial, kernel_size, dilation, False, 1,
-                        heads if rpb is not None else 0)
+                        heads if rpb is not None else None)
     k_rows, v_rows = (x.reshape(B, -1, 1, heads, x.shape[-1]) for x in (k, v))
     out = _na_export_core(q.reshape(B, -1, 1, heads, q.shape[-1]), k_rows, v_rows, rows,
                           math.prod(kernel_size), rpb, scale)
@@ -890,7 +892,7 @@ def na1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntO
 def _key_rows(spatial, kernel_size, dilation, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every query's ``K**n`` keys as positions in the row-major flattened map, and their rows
     of the row-major rpb table, ``[N * K**n]`` each (:func:`_na_rows`, unpadded, one head)."""
-    rows = _na_rows(spatial, kernel_size, dilation, device, False, 1, 1)
+    rows = _na_rows(spatial, kernel_size, dilation, device, False, 1, 1)  # one head's bias rows
     return rows.k, rows.bias.reshape(-1)
 
 
@@ -1072,7 +1074,7 @@ def na_window_positions(spatial: Sequence[int], *, kernel_size: IntOrTuple,
     spatial = tuple(spatial)
     n = len(spatial)
     ks, dil = _check_window("na_window_positions", n, kernel_size, dilation, spatial)
-    key = _na_rows(spatial, ks, dil, device or torch.device("cpu"), False, 1, 0).k
+    key = _na_rows(spatial, ks, dil, device or torch.device("cpu"), False, 1, None).k
     key = key.reshape(*spatial, math.prod(ks))
     axes = []
     for L in reversed(spatial):  # row-major flat index -> per-axis positions
