@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parent
 class BuildPy(build_py):
     def run(self):
         super().run()
+        if getattr(self, "editable_mode", False):  # `pip install -e .` reads them in place
+            return
         package = Path(self.build_lib) / "attnzoo"
+        self.mkpath(str(package / "configs"))
         for recipe in sorted((ROOT / "configs").glob("*.yaml")):
             self.copy_file(str(recipe), str(package / "configs" / recipe.name))
         self.copy_file(str(ROOT / "MODEL_CARDS.md"), str(package / "MODEL_CARDS.md"))

@@ -66,8 +66,8 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
            "Autotuner", "Verification", "records", "record_files", "verified", "unverified",
-           "launch_on_device", "capture_launches", "capturing", "kernel_op", "eager", "can_tune", "will_tune", "TuningStore",
-           "tuning_cache_path", "tuning_scope"]
+           "launch_on_device", "capture_launches", "capturing", "kernel_op", "eager", "can_tune",
+           "will_tune", "TuningStore", "tuning_cache_path", "tuning_scope"]
 
 _logger = logging.getLogger(__name__)
 
