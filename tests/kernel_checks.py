@@ -157,3 +157,28 @@ def opcheck(op, args, backward_op: bool = False) -> None:
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(op, args, test_utils=checks + (
         () if backward_op else ("test_aot_dispatch_dynamic",)))
+
+
+def fake_tuner(times, store=None):
+    """An autotuner whose configurations (the keys of ``times``) all "compile" without spills
+    and time as ``times`` says: ``(tuner, launch, launched)``, ``launched`` the configurations
+    launched (timed) so far."""
+    from attnzoo import kernels
+    launched = []
+
+    class Compiled:  # what the autotuner reads of a compiled Triton kernel
+        n_spills = 0
+
+        def _init_handles(self):
+            pass
+
+    def launch(config, warmup=False):
+        if warmup:
+            return Compiled()
+        launched.append(config)
+
+    def bench(fn):
+        fn()
+        return times[launched[-1]]
+    return kernels.Autotuner(bench, store=store), launch, launched
+

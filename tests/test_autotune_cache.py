@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from attnzoo import kernels
+from kernel_checks import fake_tuner
 
 ROOT = Path(__file__).resolve().parents[1]
 SCOPE = "Simulated GPU sm_90 triton 3.6.0 attnzoo 0.1.0"
+_TIMES = {"a": 2.0, "b": 1.0}  # an autotuner's two configurations: b the faster
 
 # One NA forward on a simulated GPU (Triton's interpreter runs the launches on CPU tensors):
 # tuning allowed, the device named by SCOPE, every configuration "compiles" without spills, and
@@ -80,31 +82,10 @@ def test_a_choice_holds_for_its_scope_only_and_every_scope_is_kept(tmp_path):
     pytest.importorskip("triton")
     path = tmp_path / "autotune.json"
     for scope, timed in (("gpu A", 2), ("gpu B", 2), ("gpu A", 0)):  # A's reused, B tunes
-        tuner, launch, launched = _tuner(kernels.TuningStore(lambda: path))
+        tuner, launch, launched = fake_tuner(_TIMES, kernels.TuningStore(lambda: path))
         assert tuner.choose("k", "ab", launch, tune=True, scope=scope) == "b"
         assert len(launched) == timed, scope
     assert json.loads(path.read_text())["entries"] == {"gpu A": {"'k'": 1}, "gpu B": {"'k'": 1}}
-
-
-def _tuner(store):
-    times = {"a": 2.0, "b": 1.0}
-    launched = []
-
-    class Compiled:
-        n_spills = 0
-
-        def _init_handles(self):
-            pass
-
-    def launch(config, warmup=False):
-        if warmup:
-            return Compiled()
-        launched.append(config)
-
-    def bench(fn):
-        fn()
-        return times[launched[-1]]
-    return kernels.Autotuner(bench, store=store), launch, launched
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "another tool 3"}),
@@ -114,7 +95,7 @@ def test_a_corrupt_or_foreign_cache_is_ignored_with_one_warning(tmp_path, caplog
     path = tmp_path / "autotune.json"
     path.write_text(content)
     store = kernels.TuningStore(lambda: path)
-    tuner, launch, launched = _tuner(store)
+    tuner, launch, launched = fake_tuner(_TIMES, store)
     with caplog.at_level(logging.WARNING, logger="attnzoo.kernels"):
         assert tuner.choose("k1", "ab", launch, tune=True, scope="gpu") == "b"
         assert tuner.choose("k2", "ab", launch, tune=True, scope="gpu") == "b"
@@ -136,7 +117,8 @@ def test_persistence_can_be_turned_off_and_an_unwritable_cache_warns(tmp_path, m
     assert kernels.tuning_cache_path() == tmp_path / "triton" / "attnzoo_autotune.json"
     blocker = tmp_path / "file"
     blocker.write_text("")
-    tuner, launch, _ = _tuner(kernels.TuningStore(lambda: blocker / "autotune.json"))
+    tuner, launch, _ = fake_tuner(
+        _TIMES, kernels.TuningStore(lambda: blocker / "autotune.json"))
     with caplog.at_level(logging.WARNING, logger="attnzoo.kernels"):
         assert tuner.choose("k", "ab", launch, tune=True, scope="gpu") == "b"
     assert "cannot write the autotune cache" in caplog.text
@@ -144,7 +126,6 @@ def test_persistence_can_be_turned_off_and_an_unwritable_cache_warns(tmp_path, m
 
 def test_a_key_tries_a_bounded_number_of_configurations():
     pytest.importorskip("triton")
-    tuner, launch, launched = _tuner(None)
-    tuner.bench = lambda fn: (fn(), 1.0)[1]
-    tuner.choose("k", "abcdefgh", lambda c, warmup=False: launch("a", warmup), tune=True)
-    assert len(launched) == kernels.MAX_CONFIGS
+    tuner, launch, launched = fake_tuner(dict.fromkeys("abcdefgh", 1.0))
+    tuner.choose("k", "abcdefgh", launch, tune=True)
+    assert launched == list("abcdefgh"[:kernels.MAX_CONFIGS])

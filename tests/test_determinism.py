@@ -8,6 +8,7 @@ import torch
 
 from attnzoo import kernels
 from attnzoo.ops import na2d, qna2d, san_aggregation, san_neighbours, san_subtraction2
+from kernel_checks import fake_tuner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,30 +61,14 @@ def test_the_autotuner_takes_the_first_configuration_under_deterministic_algorit
     """The autotuner would time both configurations and keep the faster; under deterministic
     algorithms it takes the first one, timed or not, even for a key it tuned before."""
     pytest.importorskip("triton")
-    launched = []
-
-    class Compiled:
-        n_spills = 0
-
-        def _init_handles(self):
-            pass
-
-    def launch(config, warmup=False):
-        launched.append(config)
-        return Compiled()
-
-    def bench(fn):
-        fn()
-        return {"slow": 2.0, "fast": 1.0}[launched[-1]]
-
-    tuner = kernels.Autotuner(bench)
+    tuner, launch, launched = fake_tuner({"slow": 2.0, "fast": 1.0})
     assert tuner.choose("key", ["slow", "fast"], launch, tune=True) == "fast"
     torch.use_deterministic_algorithms(True)
     try:
         launched.clear()
         assert tuner.choose("key", ["slow", "fast"], launch, tune=True) == "slow"
         assert tuner.choose("other", ["slow", "fast"], launch, tune=True) == "slow"
-        assert launched == []  # nothing compiled or timed
+        assert launched == []  # nothing timed
     finally:
         torch.use_deterministic_algorithms(False)
 
