@@ -908,7 +908,7 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog=textwrap.fill(
                     "The model sees the whole image resized to its square input size (--img-size) "
                     "and normalised as its config says; the picture shows the weights over the "
-                    "image at its own size, with a colour bar of their range, the query ringed. "
+                    "image at its own size, with a colour bar of their range, the query marked (+). "
                     "QnA-ViT's QnA layers weight each window once per learned query: their mean "
                     "is drawn. SAN's patchwise weights are not normalised and can be negative: "
                     "a diverging map centred on 0 shows them.", 79))
@@ -981,14 +981,11 @@ def _joined_negative_values(argv: Sequence[str]) -> List[str]:
     if not argv or argv[0] != "attention":  # `attnzoo timm` passes a script's own arguments on
         return list(argv)
     for token in argv:
-        if out and out[-1] in _NUMBER_PAIR_OPTIONS and re.fullmatch(r"-[\d.]+,.*", token):
-            out[-1] = f"{out[-1]}={token}"
+        if out and out[-1] == "--query" and re.fullmatch(r"-[\d.]+,.*", token):
+            out[-1] = f"--query={token}"
         else:
             out.append(token)
     return out
-
-
-_NUMBER_PAIR_OPTIONS = ("--query",)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

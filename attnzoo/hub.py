@@ -692,9 +692,9 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
         "details": details,
         "usage": usage,
     }
-    if len(rows) > 2 or measured:
-        card["comparison"] = "\n\n".join(
-            ["\n".join(rows)] * (len(rows) > 2) + [measured] * bool(measured))
+    parts = (["\n".join(rows)] if len(rows) > 2 else []) + ([measured] if measured else [])
+    if parts:
+        card["comparison"] = "\n\n".join(parts)
     bibtex = _bibtex(arch, paper_id) if paper_id else None
     if bibtex:
         card["citation"] = bibtex
