@@ -147,8 +147,7 @@ def _reflection_index(H: int, W: int, fp: Footprint, device: torch.device) -> to
     """The reflection-padded map's positions as positions of the row-major flattened map,
     ``[(H + 2 ph) * (W + 2 pw)]``."""
     def axis(n, p):
-        pos = torch.arange(-p, n + p, device=device).abs()
-        return torch.where(pos > n - 1, 2 * (n - 1) - pos, pos)
+        return _reflected(torch.arange(-p, n + p, device=device), n)
     return (axis(H, fp.padding[0]).view(-1, 1) * W + axis(W, fp.padding[1])).reshape(-1)
 
 
@@ -188,10 +187,14 @@ def footprint_positions(n, n_out, kernel_size: int, dilation: int, stride: int, 
     outside ``[0, n)``). Tensor ops of the sizes only."""
     pos = torch.arange(kernel_size, device=device).view(-1, 1) * dilation \
         - dilation * (kernel_size - 1) // 2 + torch.arange(n_out, device=device) * stride
-    if reflect:
-        pos = pos.abs()
-        pos = torch.where(pos > n - 1, 2 * (n - 1) - pos, pos)
-    return pos
+    return _reflected(pos, n) if reflect else pos
+
+
+def _reflected(pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions on an axis of ``n`` reflected into it as ``F.pad``'s reflection does (``-1 ->
+    1``, ``n -> n - 2``; within one reflection of the ends)."""
+    pos = pos.abs()
+    return torch.where(pos > n - 1, 2 * (n - 1) - pos, pos)
 
 
 def _footprint_index(H, W, fp: Footprint, device: torch.device) -> torch.Tensor:
