@@ -149,6 +149,62 @@ def test_forced_tiling_blocks_spanning_several_region_rows():
                             config=kn.Config(Tiling(2, 8, 64), 4, 2))
 
 
+def test_rpb_gradient_summed_over_many_programs():
+    """The dK/dV launch's reduction programs sum each head's rpb tables over every batch and dq
+    program: here 2 batches x 69 programs of 16 queries per head (more than one step of
+    SUM_ROWS rows), 25 entries in 32-entry slots, against the float64 reference."""
+    assert -(-1100 // 16) > kn.SUM_ROWS.value
+    check_against_reference((2, 1100, 2, 4), 13, 1, config=kn.Config(Tiling(1, 16, 16), 4, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_round_to_matches_torch(dtype):
+    """tiling.round_to, the kernels' rounding of an fp32 bias to q's dtype, is torch's cast:
+    ties to even (bf16's 1 + 2^-8 and 1 + 3 * 2^-8 go down and up), both signs, subnormals,
+    overflow to inf."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, Y, N, DTYPE: tl.constexpr):
+        r = tl.arange(0, 64)
+        tl.store(Y + r, tiling.round_to(tl.load(X + r, mask=r < N), DTYPE), mask=r < N)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 1 + 3 * 2 ** -11,
+                                 100.25, -100.75, 1e-39, 7e4, 0.0]),
+                   torch.randn(40, generator=g) * 50])
+    y = torch.empty_like(x, device=DEVICE)
+    kernel[(1,)](x.to(DEVICE), y, x.numel(),
+                 {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                  torch.float32: tl.float32}[dtype])
+    assert torch.equal(y.cpu(), x.to(dtype).float())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # masked lanes, dropped
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_rpb_in_its_own_dtype(dtype):
+    """An fp32 bias with half-precision q, k, v (a parameter under autocast): the kernels round
+    it to q's dtype as the reference's cast does, with no cast on the host, and its gradient
+    comes back in fp32, the sum of the same per-query terms as the reference's. Biases near 100
+    (a half-precision spacing of 0.06-0.5) make a bias left unrounded visible."""
+    q, k, v, rpb = make_inputs((2, 9, 11, 2, 16), (3, 3), True, seed=5)
+    low = [t.to(dtype).to(DEVICE).requires_grad_() for t in (q, k, v)]
+    rpb = (100 + rpb).float().to(DEVICE).requires_grad_()
+    out = na2d(*low, kernel_size=3, rpb=rpb, backend="cuda")
+    grads = weighted_grads(out, low + [rpb], dtype)
+    assert grads[3].dtype == torch.float32
+    ref_in = [t.detach().double().requires_grad_() for t in low] + [
+        rpb.detach().to(dtype).double().requires_grad_()]
+    ref = nbh.na_reference(*ref_in[:3], (3, 3), (1, 1), ref_in[3], 16 ** -0.5)
+    ref_grads = weighted_grads(ref, ref_in, dtype)
+    assert_matches_reference(out, grads[:3], ref, ref_grads[:3], dtype, *TOL[dtype],
+                             names="qkv")
+    norm = ref_grads[3].abs().max().item()
+    torch.testing.assert_close(grads[3].double().cpu() / norm, ref_grads[3] / norm,
+                               atol=TOL[dtype][1], rtol=TOL[dtype][1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape,kernel,dilation", [
     ((1, 13, 15, 2, 32), 5, (2, 1)),

@@ -38,8 +38,8 @@ from . import (Autotuner, KernelLimits, TuningStore, can_tune, device_info, eage
                launch_on_device, tiling, tuning_scope, will_tune)
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
-                     program_tile, rank_tilings, region_block, store_rows, tile_positions,
-                     to_base2, to_source)
+                     program_tile, rank_tilings, region_block, round_to, store_rows,
+                     tile_positions, to_base2, to_source)
 
 __all__ = ["na_fused", "support", "not_supported_reasons", "call_reasons", "configs",
            "shared_memory", "Config", "LIMITS", "KERNELS", "INTERPRETED", "MAX_KERNEL_SIZE",
@@ -65,15 +65,17 @@ def _in_window(wy, wx, ky, kx, valid_q, valid_k, KH: tl.constexpr, KW: tl.conste
 
 @triton.jit
 def _rpb_table(RPB, h, KH: tl.constexpr, KW: tl.constexpr, NREL: tl.constexpr,
-               HAS_RPB: tl.constexpr):
+               HAS_RPB: tl.constexpr, QT: tl.constexpr):
     """Head ``h``'s bias table, flat and padded to ``NREL`` (a power of two), times log2(e):
     held in registers and indexed with tl.gather, not re-read from memory per block (a global
-    gather per logit doubled the forward's registers). Without a bias, ``RPB`` is a stand-in
+    gather per logit doubled the forward's registers). The table is read in its own dtype and
+    rounded to q's (``QT``), as the reference casts it: the host makes no cast of it (an fp32
+    parameter under autocast), nor its gradient back. Without a bias, ``RPB`` is a stand-in
     pointer and is never read."""
     r = tl.arange(0, NREL)
     if HAS_RPB:
         n = (2 * KH - 1) * (2 * KW - 1)
-        table = tl.load(RPB + h * n + r, mask=r < n, other=0.).to(tl.float32)
+        table = round_to(tl.load(RPB + h * n + r, mask=r < n, other=0.).to(tl.float32), QT)
     else:
         table = tl.zeros([NREL], tl.float32)
     return to_base2(table)
@@ -148,7 +150,7 @@ def _na_fwd_kernel(
     q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
     wy = na_window_start(qy, LY, KH)
     wx = na_window_start(qx, LX, KW)
-    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB)
+    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB, Q.dtype.element_ty)
     y0, rows = na_tile_region(ty0, TH, LY, KH)
     x0, cols = na_tile_region(tx0, TW, LX, KW)
     m_i = tl.full([TH * TW], -1e30, tl.float32)
@@ -213,7 +215,7 @@ def _na_bwd_dq_kernel(
     lse = tl.load(LSE + row, mask=valid_q, other=0.)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + row, delta, mask=valid_q)
-    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB)
+    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB, Q.dtype.element_ty)
     y0, rows = na_tile_region(ty0, TH, LY, KH)
     x0, cols = na_tile_region(tx0, TW, LX, KW)
     dq = tl.zeros([TH * TW, BD], tl.float32)
@@ -240,6 +242,59 @@ def _na_bwd_dq_kernel(
 
 @triton.jit
 def _na_bwd_dkdv_kernel(
+        Q, K, V, RPB, DO, LSE, DELTA, DK, DV_, PARTIAL, DRPB,
+        sqb, sqy, sqx, sqh, sqd, skb, sky, skx, skh, skd, svb, svy, svx, svh, svd,
+        sdob, sdoy, sdox, sdoh, sdod, sdkb, sdky, sdkx, sdkh, sdkd, sdvb, sdvy, sdvx, sdvh, sdvd,
+        heads, H, W, D, DV, DIL_Y, DIL_X, tiles_y, tiles_x, qk_scale, scale, n_tiles, batch,
+        partial_rows,
+        KH: tl.constexpr, KW: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+        BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_RPB: tl.constexpr,
+        NREL: tl.constexpr, PRECISION: tl.constexpr, RPB_SUM: tl.constexpr):
+    """Programs below ``n_tiles``: dK and dV of a tile of keys. With ``RPB_SUM``, the programs
+    after them sum the dq pass's per-program rpb tables (``PARTIAL``) into ``DRPB``: the
+    reduction rides this launch instead of two more (a sum, a cast); dq's launch, before this
+    one on the stream, has written every table."""
+    if tl.program_id(0) >= n_tiles:
+        if RPB_SUM:
+            _sum_rpb_tables(PARTIAL, DRPB, tl.program_id(0) - n_tiles, heads, batch,
+                            partial_rows, KH, KW)
+    else:
+        _dkdv_tile(Q, K, V, RPB, DO, LSE, DELTA, DK, DV_, sqb, sqy, sqx, sqh, sqd, skb, sky, skx,
+                   skh, skd, svb, svy, svx, svh, svd, sdob, sdoy, sdox, sdoh, sdod, sdkb, sdky,
+                   sdkx, sdkh, sdkd, sdvb, sdvy, sdvx, sdvh, sdvd, heads, H, W, D, DV, DIL_Y,
+                   DIL_X, tiles_y, tiles_x, qk_scale, scale, KH, KW, TH, TW, BN, BD, BDV,
+                   HAS_RPB, NREL, PRECISION)
+
+
+# the rpb gradient's reduction: entries per program, and partial rows summed per step
+SUM_ENTRIES = tl.constexpr(32)
+SUM_ROWS = tl.constexpr(64)
+
+
+@triton.jit
+def _sum_rpb_tables(PARTIAL, DRPB, r, heads, batch, partial_rows, KH: tl.constexpr,
+                    KW: tl.constexpr):
+    """Reduction program ``r``: ``SUM_ENTRIES`` entries of one head's rpb gradient, the sum of
+    that head's tables over every batch and dq program (``PARTIAL`` ``[batch, heads,
+    partial_rows, (2KH-1)(2KW-1)]``, float32) in a fixed order (deterministic), stored in
+    DRPB's dtype."""
+    N: tl.constexpr = (2 * KH - 1) * (2 * KW - 1)
+    blocks: tl.constexpr = (N + SUM_ENTRIES - 1) // SUM_ENTRIES
+    h = r // blocks
+    cols = (r % blocks) * SUM_ENTRIES + tl.arange(0, SUM_ENTRIES)
+    rows = tl.arange(0, SUM_ROWS)
+    acc = tl.zeros([SUM_ROWS, SUM_ENTRIES], tl.float32)
+    for b in range(batch):
+        table = PARTIAL + (b * heads + h).to(tl.int64) * partial_rows * N
+        for p0 in range(0, partial_rows, SUM_ROWS):
+            p = p0 + rows
+            acc += tl.load(table + p[:, None] * N + cols[None, :],
+                           mask=(p[:, None] < partial_rows) & (cols[None, :] < N), other=0.)
+    tl.store(DRPB + h * N + cols, tl.sum(acc, 0), mask=cols < N)
+
+
+@triton.jit
+def _dkdv_tile(
         Q, K, V, RPB, DO, LSE, DELTA, DK, DV_,
         sqb, sqy, sqx, sqh, sqd, skb, sky, skx, skh, skd, svb, svy, svx, svh, svd,
         sdob, sdoy, sdox, sdoh, sdod, sdkb, sdky, sdkx, sdkh, sdkd, sdvb, sdvy, sdvx, sdvh, sdvd,
@@ -252,7 +307,7 @@ def _na_bwd_dkdv_kernel(
     rows_base = bh.to(tl.int64) * H  # this (batch, head)'s first row in LSE and DELTA
     k = load_rows(K + b * skb + h * skh, y, x, sky, skx, skd, valid_k, D, BD)
     v = load_rows(V + b * svb + h * svh, y, x, svy, svx, svd, valid_k, DV, BDV)
-    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB)
+    table = _rpb_table(RPB, h, KH, KW, NREL, HAS_RPB, Q.dtype.element_ty)
 
     y0, rows = na_query_region(ty0, TH, LY, KH)
     x0, cols = na_query_region(tx0, TW, LX, KW)
@@ -511,11 +566,12 @@ def _forward_outputs(q, v):
 
 
 def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool):
-    """dq, dk, dv in their inputs' dtypes, and the rpb gradient in float32; an empty tensor
-    stands for a gradient not computed (a custom op returns no None)."""
+    """dq, dk, dv and the rpb gradient in their inputs' dtypes (the rpb's summed in float32);
+    an empty tensor stands for a gradient not computed (a custom op returns no None)."""
     return (q.new_empty(q.shape), k.new_empty(k.shape if kv_grad else 0),
             v.new_empty(v.shape if kv_grad else 0),
-            q.new_empty(rpb.shape if rpb_grad else 0, dtype=torch.float32))
+            q.new_empty(rpb.shape if rpb_grad else 0,
+                        dtype=rpb.dtype if rpb_grad else torch.float32))
 
 
 def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
@@ -531,17 +587,18 @@ def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
 def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_grad,
               need_kv_grad, config=None):
     KH, KW = kernel_size
+    B, heads = q.shape[0], q.shape[3]
     dq, dk, dv, drpb = _backward_outputs(q, k, v, rpb, need_rpb_grad, need_kv_grad)
     n_rel = (2 * KH - 1) * (2 * KW - 1)
     rpb_arg = q if rpb is None else rpb  # a stand-in pointer, never read (HAS_RPB=False)
     # delta (rowsum(dO * O), [B, heads, H, W]) and one rpb-gradient table per program of the
-    # last dq launch (summed below), in one allocation
+    # last dq launch, in one allocation
     scratch = []
 
     def run_dq(grid, config, args, warmup):
         rows = grid[0] if need_rpb_grad else 1
         buffer = torch.empty(lse.numel() + rows * n_rel, device=q.device, dtype=torch.float32)
-        scratch[:] = [buffer[:lse.numel()].view(lse.shape), buffer[lse.numel():].view(rows, n_rel)]
+        scratch[:] = buffer[:lse.numel()].view(lse.shape), buffer[lse.numel():]
         return _run(_na_bwd_dq_kernel, grid, q, k, v, rpb_arg, o, do, lse, scratch[0], dq,
                     scratch[1], *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                     *do.stride(), *dq.stride(), qk_scale=scale * LOG2E, scale=scale,
@@ -549,15 +606,21 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
 
     _launch("dq", q, v, kernel_size, dilation, rpb is not None, config, run_dq)
     delta, partial = scratch
-    if need_kv_grad:  # after dq, which writes delta
-        _launch("dkdv", q, v, kernel_size, dilation, rpb is not None, config,
-                lambda grid, _, args, warmup: _run(
-                    _na_bwd_dkdv_kernel, grid, q, k, v, rpb_arg, do, lse, delta, dk, dv,
-                    *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-                    *dv.stride(), qk_scale=scale * LOG2E, scale=scale, warmup=warmup, **args))
-    if need_rpb_grad:
-        B, heads = q.shape[0], q.shape[3]
-        torch.sum(partial.view(B, heads, -1, n_rel), (0, 2), out=drpb.view(heads, n_rel))
+    partial_rows = partial.numel() // (B * heads * n_rel)
+    if need_kv_grad:  # after dq, which writes delta and the rpb tables
+
+        def run_dkdv(grid, config, args, warmup):
+            sums = heads * -(-n_rel // SUM_ENTRIES.value) if need_rpb_grad else 0
+            return _run(_na_bwd_dkdv_kernel, (grid[0] + sums,), q, k, v, rpb_arg, do, lse,
+                        delta, dk, dv, partial, drpb if need_rpb_grad else partial, *q.stride(),
+                        *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+                        qk_scale=scale * LOG2E, scale=scale, n_tiles=grid[0], batch=B,
+                        partial_rows=partial_rows, RPB_SUM=need_rpb_grad, warmup=warmup,
+                        **args)
+
+        _launch("dkdv", q, v, kernel_size, dilation, rpb is not None, config, run_dkdv)
+    elif need_rpb_grad:  # k and v frozen: torch sums the tables
+        drpb.view(heads, n_rel).copy_(partial.view(B, heads, -1, n_rel).sum((0, 2)))
     return dq, dk, dv, drpb
 
 
@@ -607,7 +670,7 @@ def _grads(do, saved, needs, args, config):
         dq, dk, dv, drpb = _na_backward_op(do, q, k, v, rpb, o, lse, *args, rpb_grad, kv_grad,
                                            config)
     return (dq, dk if kv_grad else None, dv if kv_grad else None,
-            drpb.to(rpb.dtype) if rpb_grad else None)
+            drpb if rpb_grad else None)
 
 
 def _setup_context(ctx, inputs, output):
@@ -648,9 +711,10 @@ def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tup
     """The ``cuda`` backend of ``na1d`` / ``na2d``: arguments as
     :func:`attnzoo.ops.neighborhood.na_reference` (already validated); ``config`` a
     :class:`Config` forcing every kernel's, or ``None`` (the autotuner's choice among
-    :func:`configs`). The bias is cast to q's dtype first, as the reference does."""
+    :func:`configs`). The bias is rounded to q's dtype, as the reference casts it, by the
+    kernels (no cast here; its gradient comes back in its own dtype)."""
     if rpb is not None:
-        rpb = rpb.to(q.dtype).contiguous()
+        rpb = rpb.contiguous()
     ints = [] if config is None else [*config.tiling, config.num_warps, config.num_stages]
     one_d = len(kernel_size) == 1  # 1-D is 2-D with H = 1
     if one_d:
@@ -658,7 +722,12 @@ def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tup
         rpb = None if rpb is None else rpb.unsqueeze(1)
         kernel_size, dilation = (1, *kernel_size), (1, *dilation)
     if eager(q):
-        out = _NA.apply(q, k, v, rpb, tuple(kernel_size), tuple(dilation), float(scale), ints)
+        args = (tuple(kernel_size), tuple(dilation), float(scale))
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or rpb is not None and rpb.requires_grad):
+            out = _NA.apply(q, k, v, rpb, *args, ints)
+        else:  # nothing to save for a backward
+            out = _forward(q, k, v, rpb, *args, _config(ints))[0]
     else:
         out, _ = _na_op(q, k, v, rpb, list(kernel_size), list(dilation), float(scale), ints)
     return out.squeeze(1) if one_d else out

@@ -148,6 +148,19 @@ def _round_to_tf32(x):
 
 
 @triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` -> the nearest ``DTYPE`` value (ties to even, as torch's ``.to(dtype)``),
+    still stored as fp32. bf16 by its bits: the interpreter's fp32 -> bf16 cast truncates."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float32:
+        return x
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def dot(a, b, PRECISION: tl.constexpr):
     """``a @ b`` accumulated in fp32. ``PRECISION`` (:func:`dot_precision`): tl.dot's input
     precision ("ieee": exact fp32; "tf32": TF32 tensor cores for fp32 operands, the tensor
