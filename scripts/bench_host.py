@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,7 @@ from attnzoo import backends, kernels  # noqa: E402
 from attnzoo.ops import na2d, qna2d, san_aggregation, san_subtraction2  # noqa: E402
 
 TARGET = {"fwd": 25.0, "fwd+bwd": 60.0}
+GPU_TARGET = {"fwd": 50.0, "fwd+bwd": 300.0}  # NA at 7x7 on a GPU, whole (issue 46)
 STEP_MODELS = ("nat_tiny", "dinat_tiny", "qna_vit_tiny", "san10_patchwise",
                "swin_tiny_patch4_window7_224")
 COPIES = ("copy_", "_to_copy", "clone", "select_backward", "stack")
@@ -118,19 +120,40 @@ def _calls(device: str, batch: int) -> Dict[str, Callable[[bool], Callable[[str]
 
 def _us(fn: Callable[[], object], number: int, repeat: int) -> float:
     """Microseconds per call, the best of ``repeat`` timings of ``number`` calls (after a
-    warm-up: the call key is then warm)."""
+    warm-up: the call key is then warm); on a GPU up to the end of the last call's kernels
+    (at batch 1 the host's time: the GPU waits for it)."""
     for _ in range(max(3, number // 10)):
         fn()
     best = float("inf")
     for _ in range(repeat):
+        _sync()
         start = time.perf_counter()
         for _ in range(number):
             fn()
+        _sync()
         best = min(best, (time.perf_counter() - start) / number)
     return best * 1e6
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _sdpa(device: str):
+    def make(grad):
+        x = torch.empty(1, 1, 1, 8, device=device).requires_grad_(grad)
+        run = lambda _: F.scaled_dot_product_attention(x, x, x)  # noqa: E731
+        run.leaves = [x]
+        return run
+    return make
+
+
+SDPA = "F.scaled_dot_product_attention [1, 1, 1, 8]"
+
+
 def measure_calls(number: int, repeat: int) -> List[dict]:
+    """The CPU's columns: launches captured (Triton's own launch excluded)."""
     rows = []
     meta, cpu = _calls("meta", 32), _calls("cpu", 1)
     with kernels.capture_launches():
@@ -143,37 +166,54 @@ def measure_calls(number: int, repeat: int) -> List[dict]:
                                                ("torch, meta", meta, "torch")):
                     row[column] = _per_call(calls[label], backend, passes, number, repeat)
                 rows.append(row)
-    def sdpa(grad):
-        x = torch.empty(1, 1, 1, 8, requires_grad=grad)
-        run = lambda _: F.scaled_dot_product_attention(x, x, x)  # noqa: E731
-        run.leaves = [x]
-        return run
-
     for passes in ("fwd", "fwd+bwd"):
-        rows.append({"call": "F.scaled_dot_product_attention, cpu [1, 1, 1, 8]",
-                     "passes": passes, "cuda, cpu": _per_call(sdpa, None, passes, number,
-                                                              repeat)})
+        rows.append({"call": SDPA + ", cpu", "passes": passes,
+                     "cuda, cpu": _per_call(_sdpa("cpu"), None, passes, number, repeat)})
+    return rows
+
+
+def measure_gpu_calls(number: int, repeat: int) -> List[dict]:
+    """On a GPU, the whole call at batch 1 (Triton's launch included; the GPU's work is
+    microseconds): the kernels, the torch reference, one SDPA call."""
+    rows = []
+    calls = _calls("cuda", 1)
+    for i, (label, make) in enumerate(calls.items()):
+        print(f"[{i + 1}/{len(calls)}] {label}", file=sys.stderr, flush=True)
+        for passes in ("fwd", "fwd+bwd"):
+            rows.append({"call": label, "passes": passes, **{
+                f"{backend}, gpu": _per_call(make, backend, passes, number, repeat)
+                for backend in ("cuda", "torch")}})
+    for passes in ("fwd", "fwd+bwd"):
+        rows.append({"call": SDPA, "passes": passes,
+                     "cuda, gpu": _per_call(_sdpa("cuda"), None, passes, number, repeat)})
     return rows
 
 
 def _per_call(make, backend, passes: str, number: int, repeat: int) -> float:
     """Microseconds per call of ``make(grad)(backend)``: forward under no_grad; forward +
     backward as a training step runs them, CHAIN calls on inputs of their own and one backward
-    through them all (the autograd engine's start, some 50 us on the CPU, is paid once per
-    step, not per op; no gradient is accumulated)."""
+    through them all (the autograd engine's start, some 50 us on the CPU, and its Python
+    checks of each output's gradient, ~4 us, are paid once per step, not per op: the engine is
+    run directly; no gradient is accumulated). Captured launches are dropped after each call,
+    as a GPU's launch keeps nothing (kept, their outputs would stay allocated)."""
+    launches = kernels._captured if kernels._captured is not None else []
     if passes == "fwd":
         run = make(False)
 
         def call():
             with torch.no_grad():
                 run(backend)
+            launches.clear()
         return _us(call, number, repeat)
     runs = [make(True) for _ in range(CHAIN)]
-    leaves = [t for run in runs for t in run.leaves]
-    grads = [torch.empty_like(run(backend)) for run in runs]
+    leaves = tuple(t for run in runs for t in run.leaves)
+    grads = tuple(torch.empty_like(run(backend)) for run in runs)
+    engine = torch.autograd.Variable._execution_engine
 
     def chained():
-        torch.autograd.grad([run(backend) for run in runs], leaves, grads)
+        engine.run_backward(tuple(run(backend) for run in runs), grads, False, False, leaves,
+                            False)
+        launches.clear()
     return _us(chained, max(number // CHAIN, 2), repeat) / CHAIN
 
 
@@ -223,18 +263,25 @@ def _f(x) -> str:
 
 
 def calls_table(rows: List[dict], argv: List[str]) -> str:
+    gpu = any("cuda, gpu" in r for r in rows)
+    columns = ["cuda, gpu", "torch, gpu"] if gpu else ["cuda, meta", "cuda, cpu", "torch, meta"]
+    what = ("on the GPU (" + torch.cuda.get_device_name() + "), CUDA tensors at batch 1, each "
+            "call whole (Triton's launch included) up to its kernels' end" if gpu else
+            "launches captured (Triton's own launch excluded); cuda on meta tensors (batch 32) "
+            "and on CPU tensors (batch 1); the torch reference on meta tensors")
     lines = [f"`python scripts/bench_host.py {' '.join(argv)}`".replace(" `", "`"),
-             "", "Host microseconds per call, warm key, launches captured (Triton's own launch "
-             "excluded); cuda on meta tensors (batch 32) and on CPU tensors (batch 1); the torch "
-             f"reference on meta tensors; a backward through {CHAIN} calls, as in a training "
-             "step. Targets (issue 46): forward <= 25 us, forward + backward <= 60 us.", "",
-             "| call | pass | cuda, meta | cuda, cpu | torch, meta | target |",
-             "|---|---|---|---|---|---|"]
+             "", f"Host microseconds per call, warm key, {what}; a backward through {CHAIN} "
+             "calls, as in a training step. Targets (issue 46): forward <= 25 us, forward + "
+             "backward <= 60 us" + (" (CPU); NA at 7x7: <= 50 us, <= 300 us (GPU)." if gpu
+                                    else "."), "",
+             "| call | pass | " + " | ".join(columns) + " | target |",
+             "|---" * (len(columns) + 3) + "|"]
     for r in rows:
-        target = TARGET[r["passes"]] if "cuda, meta" in r else None
-        lines.append(f"| {r['call']} | {r['passes']} | {_f(r.get('cuda, meta'))} | "
-                     f"{_f(r.get('cuda, cpu'))} | {_f(r.get('torch, meta'))} | "
-                     f"{_f(target)} |")
+        target = None if r["call"].startswith(SDPA) else TARGET[r["passes"]]
+        if gpu and target is not None:
+            target = GPU_TARGET[r["passes"]] if r["call"].startswith("na2d nat") else None
+        lines.append(f"| {r['call']} | {r['passes']} | " +
+                     " | ".join(_f(r.get(c)) for c in columns) + f" | {_f(target)} |")
     return "\n".join(lines)
 
 
@@ -264,14 +311,27 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="the step table's batch (default 32)")
     p.add_argument("--write", default=None, metavar="BENCHMARKS.md",
                    help="replace the script's table in this file (default: print only)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: each call whole on the GPU, Triton's launch included (no "
+                        "step table)")
+    p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
-    _kernels_on_any_device()
-    text = calls_table(measure_calls(args.number, args.repeat),
-                       [a for a in argv if a not in ("--write", args.write)])
-    if args.steps:
-        text += "\n" + steps_table(measure_steps(args.models, args.batch, max(args.repeat // 2,
-                                                                               1)), args.batch)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    shown = [a for a in argv if a not in ("--write", args.write, "--json", args.json)]
+    if args.device == "cuda":
+        rows = measure_gpu_calls(args.number, args.repeat)
+    else:
+        _kernels_on_any_device()
+        rows = measure_calls(args.number, args.repeat)
+    text = calls_table(rows, shown)
+    steps = []
+    if args.steps and args.device == "cpu":
+        steps = measure_steps(args.models, args.batch, max(args.repeat // 2, 1))
+        text += "\n" + steps_table(steps, args.batch)
     print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(calls=rows, steps=steps), indent=1))
     if args.write:
         from attnzoo.profiling import write_table
         write_table(args.write, "bench_host.py", text)

@@ -12,7 +12,8 @@ backend's. Only the op is timed (an ``observe_ops`` observer around the dispatch
 Part 2, NA at NAT-tiny's stage shapes (224 px: 56/28/14/7 px, 2/4/8/16 heads, head dim 32,
 K=7) and DiNAT's dilated ones: every backend with RPB (``cuda+rpb``, ...) and without (NATTEN
 >= 0.20 has no RPB) and FlexAttention with a neighborhood block mask (compiled; dilation and
-clamped windows in its mask_mod, no RPB), with the ratio of each to attnzoo's ``cuda+rpb``.
+clamped windows in its mask_mod), with NAT's RPB through its ``score_mod`` (``flex+rpb``, the
+comparison NAT needs) and without (``flex``), with the ratio of each to attnzoo's ``cuda+rpb``.
 On a GPU it also prints the achieved fraction of the memory-bandwidth bound (reading q, k, v and
 writing o once for the forward; reading q, k, v, o, dO and writing dQ, dK, dV once more for the
 backward) at the device's peak bandwidth (from its memory clock and bus width, or
@@ -121,9 +122,11 @@ def raise_recompile_limit(limit: int = 256) -> None:
             setattr(config, name, max(getattr(config, name), limit))
 
 
-def flex_na(shape, kernel: int, dilation: int, device, compile_: bool):
-    """FlexAttention computing 2-D NA (clamped windows per dilation group, no RPB) on
-    ``[B, H, W, heads, d]``; returns fn(q, k, v) or raises if this torch lacks it."""
+def flex_na(shape, kernel: int, dilation: int, device, compile_: bool, rpb: bool = False):
+    """FlexAttention computing 2-D NA (clamped windows per dilation group) on
+    ``[B, H, W, heads, d]``; returns fn(q, k, v) (``rpb``: fn(q, k, v, rpb), the bias
+    ``[heads, 2K-1, 2K-1]`` added unscaled through ``score_mod``, as NAT adds it) or raises if
+    this torch lacks it."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, H, W, heads, D = shape
@@ -144,9 +147,17 @@ def flex_na(shape, kernel: int, dilation: int, device, compile_: bool):
         raise_recompile_limit()
     attend = torch.compile(flex_attention, dynamic=False) if compile_ else flex_attention
 
-    def fn(q, k, v):
+    def fn(q, k, v, bias=None):
         flat = lambda t: t.reshape(B, H * W, heads, D).transpose(1, 2)  # noqa: E731
-        out = attend(flat(q), flat(k), flat(v), block_mask=block_mask, scale=D ** -0.5)
+        score_mod = None
+        if bias is not None:
+            def score_mod(score, b, h, q_idx, kv_idx):  # offsets in dilation-group steps
+                dy = (kv_idx // W - q_idx // W) // dilation + kernel - 1
+                dx = (kv_idx % W - q_idx % W) // dilation + kernel - 1
+                last = 2 * kernel - 2  # clamped: outside the window the mask drops the score
+                return score + bias[h, dy.clamp(0, last), dx.clamp(0, last)]
+        out = attend(flat(q), flat(k), flat(v), score_mod=score_mod, block_mask=block_mask,
+                     scale=D ** -0.5)
         return out.transpose(1, 2).reshape(B, H, W, heads, D)
     return fn
 
@@ -179,7 +190,7 @@ def part_na(args, device, dtype) -> List[dict]:
         rpb0 = (torch.randn((shape[3], 2 * K - 1, 2 * K - 1), generator=g) * 0.1).to(
             device=device, dtype=dtype)
         # every backend with NAT's rpb and without (one that cannot say so, e.g. NATTEN >= 0.20
-        # has no rpb), then FlexAttention (no rpb)
+        # has no rpb), then FlexAttention with and without it
         variants = {
             f"{b}+rpb" if with_rpb else b:
                 lambda q, k, v, rpb, b=b, with_rpb=with_rpb: na2d(
@@ -188,6 +199,7 @@ def part_na(args, device, dtype) -> List[dict]:
         if not args.no_flex:
             try:
                 flex = flex_na(shape, K, d, device, compile_=True)
+                variants["flex+rpb"] = flex
                 variants["flex"] = lambda q, k, v, rpb: flex(q, k, v)
             except (ImportError, RuntimeError) as e:
                 print(f"  flex unavailable: {_reason(e)}", flush=True)

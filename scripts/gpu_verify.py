@@ -32,12 +32,21 @@ the later stages run; a smoke stage that faults ends the run, with its reason.
    here (``ATTNZOO_AUTOTUNE=0``: the compiles fit; stage 3 forces others).
 5. ``records``: the verdict per family and dtype, and for each family the line of the records
    file (attnzoo/kernels/verified.jsonl) covering the dtypes that passed stages 2 to 4.
-6. ``bench``, as time allows: the kernels' compiles first, in parallel processes (each launch's
-   autotune space, into Triton's cache), then NA at NAT-tiny's and DiNAT's stage shapes
-   (scripts/bench_ops.py part 2: bf16, batch 64, fwd and fwd+bwd, cuda+rpb, torch+rpb and
-   compiled FlexAttention without rpb) and img/s as ``attnzoo bench`` measures it of nat_tiny,
-   qna_vit_tiny and san10_patchwise on ``cuda`` and ``torch`` and of swin_tiny (bf16, batch 64
-   inference, batch 32 training).
+6. ``bench``, as time allows (issue 46; its own device command, ``--stages bench``, with
+   ``--limit bench=SECONDS`` for more than 240 s): first, in parallel processes for at most
+   45% of its time, the compiles (each NA launch's autotune space, FlexAttention with and
+   without rpb, each model's graphs under ``torch.compile`` in its default mode and in
+   ``mode="reduce-overhead"``, into Triton's and Inductor's caches) and the first training
+   step of nat_tiny and swin_tiny with empty caches of their own (cold; beside the compiles,
+   so an upper bound). Then, one process at a time on the GPU: host microseconds per call of
+   each family at batch 1 (scripts/bench_host.py ``--device cuda``); img/s of swin_tiny,
+   nat_tiny, dinat_tiny, qna_vit_tiny and san10_patchwise (bf16 autocast, training batch 32
+   with SGD, inference batch 64), eager for every model first, then each compiled and with CUDA
+   graphs, with graph breaks, skipped CUDA-graph partitions and whether a training step
+   synchronises the host (``torch.cuda.set_sync_debug_mode("error")``); the first steps again
+   (warm caches); NA at NAT-tiny's and DiNAT's stage shapes (scripts/bench_ops.py part 2:
+   bf16, batch 64, fwd and fwd+bwd, cuda+rpb, torch+rpb, compiled FlexAttention with and
+   without rpb). Issue 46's targets are marked in the models' table.
 
 DIR gets ``result.json`` (every stage: status, seconds, findings; the verdict; the records),
 ``summary.md`` (the same, to read) and ``log.txt`` (every stage's output), rewritten after each
@@ -74,7 +83,7 @@ STAGES = ("env", "smoke", "tests", "models", "records", "bench")
 # opcheck, compiled-step and determinism tests and the models stage compiles a training step of
 # every family (not yet timed on a GPU: more room); stages 1-5 (535 s) within one device command
 # (600 s), the bench in a second
-LIMITS = {"env": 30, "smoke": 60, "tests": 220, "models": 210, "records": 15, "bench": 180}
+LIMITS = {"env": 30, "smoke": 60, "tests": 220, "models": 210, "records": 15, "bench": 240}
 # a dry run's limits only catch a hang (CI runs it beside another xdist worker)
 DRY_LIMITS = {"env": 60, "smoke": 180, "tests": 300, "models": 300, "records": 60, "bench": 300}
 FAMILIES = ("neighborhood", "qna", "san")
@@ -416,8 +425,11 @@ def _brief(name: str, findings: dict) -> str:
     if name == "records":
         return f"{findings.get('records', 0)} record(s)"
     if name == "bench":
-        return (f"{len(findings.get('na', []))} NA rows, {len(findings.get('models', []))} "
-                "model rows")
+        models = findings.get("models", [])
+        return (f"{len(findings.get('host', {}).get('rows', []))} host rows, "
+                f"{sum(bool(r.get('img_s')) for r in models)}/{len(models)} model rows, "
+                f"{len(findings.get('first_steps', []))} first steps, "
+                f"{len(findings.get('na', []))} NA rows")
     return ""
 
 
@@ -456,10 +468,17 @@ def _details(stages: dict) -> List[str]:
                   f"{_e(c.get('error'))} | {(c.get('problem') or 'ok').replace('|', '/')} |"
                   for c in models["compile"]]
     bench = stages["bench"]["findings"]
+    if bench.get("host", {}).get("table"):
+        lines += ["", "## Host time per call", "", bench["host"]["table"]]
+    if bench.get("models_table"):
+        lines += ["", "## Models (img/s; bf16 autocast, training batch 32 with SGD, inference "
+                      "batch 64; x: over swin_tiny's in the same column)", "",
+                  bench["models_table"]]
+    if bench.get("first_table"):
+        lines += ["", "## First training step (eager, batch 32), caches cold then warm", "",
+                  bench["first_table"]]
     if bench.get("na_table"):
         lines += ["", "## NA at NAT-tiny's and DiNAT's stage shapes", "", bench["na_table"]]
-    if bench.get("models_table"):
-        lines += ["", "## Models (img/s)", "", bench["models_table"]]
     return lines
 
 
@@ -853,6 +872,7 @@ def worker_model(stage: Stage) -> None:
         return _compile_check(stage, name.partition(":")[2])
     batch, size = (1, 32) if stage.dry else (64, 224)
     kwargs = dict(drop_path_rate=0.0, **(tiny_kwargs(name) if stage.dry else {}))
+    torch.manual_seed(0)  # the same weights every run: bf16's errors depend on them
     model = timm.create_model(name, **kwargs).to(stage.device).train()
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(
         stage.device)
@@ -957,31 +977,137 @@ def _compile_check(stage: Stage, name: str) -> None:
 
 # --- stage 6 ---------------------------------------------------------------------------------
 
-BENCH_MODELS = ("swin_tiny_patch4_window7_224", "nat_tiny", "qna_vit_tiny", "san10_patchwise")
+SWIN = "swin_tiny_patch4_window7_224"
+BENCH_MODELS = (SWIN, "nat_tiny", "dinat_tiny", "qna_vit_tiny", "san10_patchwise")
+DRY_BENCH_MODELS = (SWIN, "san10_patchwise")  # the interpreter is slow
+MODES = ("eager", "compiled", "reduce-overhead")  # torch.compile's default mode, CUDA graphs
+# issue 46's targets: img/s over swin_tiny's in the same run, eager and compiled (and with CUDA
+# graphs, nat_tiny's own), training and inference
+TARGETS = {"nat_tiny": 1.0, "dinat_tiny": 0.9, "qna_vit_tiny": 1.0, "san10_patchwise": 1.0}
+RO_TARGETS = {"nat_tiny": 1.2}
+FIRST_STEP = ("nat_tiny", SWIN)  # first training step, cold caches then warm
+WARM_SHARE = 0.45  # of the bench stage's time, at most, for the parallel compiles
 
 
 def stage_bench(stage: Stage) -> None:
-    """Compile in parallel first (Triton's and Inductor's caches), then time, one thing at a
-    time on the GPU: bench_ops.py part 2, then the models."""
+    """Compile in parallel first (Triton's and Inductor's caches: the kernels' configurations,
+    FlexAttention, each model's compiled graphs; and the cold first steps), then time, one
+    process at a time on the GPU: host time per call, each model's img/s in every mode, the
+    warm first steps, bench_ops.py part 2."""
     f = stage.findings
     start = time.time()
-    items = [f"na:{i}" for i in range(6)] + [f"model:{m}" for m in BENCH_MODELS[1:]]
+    models = DRY_BENCH_MODELS if stage.dry else BENCH_MODELS
+    items = ([f"na:{i}" for i in range(6)] + [f"model:{m}" for m in models[1:]]
+             + [f"compile:{m}:{mode}" for m in models for mode in MODES[1:]]
+             + [f"first:{m}" for m in FIRST_STEP])
     if stage.dry:
-        items = ["na:0", "model:san10_patchwise"]
+        items = ["na:0", "model:san10_patchwise", "first:san10_patchwise"]
+    until = start + WARM_SHARE * stage.left()  # the timings get the rest
     running, statuses = [], {}
     for item in items:  # at most `jobs` at a time
         while len(running) >= max(1, stage.jobs):
-            _reap(running, statuses)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "warm", "--arg", item,
-               "--work", str(stage.work), "--out", str(stage.out),
-               "--deadline", str(stage.deadline)] + (["--dry-run"] if stage.dry else [])
-        running.append((item, subprocess.Popen(cmd, cwd=ROOT)))
+            _reap(running, statuses, until - time.time())
+        if time.time() < until:
+            running.append((item, _warm_process(stage, item)))
+        else:
+            statuses[item] = "not started: out of time"
     while running:
-        _reap(running, statuses, stage.left() - 60)
+        _reap(running, statuses, until - time.time())
     f["warm"] = {"seconds": round(time.time() - start, 1), "items": statuses}
     print(f"compiled in parallel: {time.time() - start:.0f} s", flush=True)
+    f["first_steps"] = [dict(_findings(stage, item), cache="cold") for item in items
+                        if item.startswith("first:")]
     stage.save()
 
+    f["host"] = _bench_host(stage)
+    stage.save()
+    f["models"] = []  # every model eager first, then each one compiled
+    for name, modes in [(m, MODES[:1]) for m in models] + [(m, MODES[1:]) for m in models]:
+        f["models"] += _bench_model(stage, name, modes)
+        stage.save()
+    for item in [i for i in items if i.startswith("first:")]:
+        if stage.left() > 60:
+            _wait(_warm_process(stage, item), stage.left() - 30)
+            f["first_steps"].append(dict(_findings(stage, item), cache="warm"))
+    stage.save()
+    _bench_na(stage)
+    f["models_table"] = models_table(f["models"])
+    f["first_table"] = first_table(f["first_steps"])
+    print(f["models_table"], f["first_table"], sep="\n\n", flush=True)
+    f["failed"] = f["na_status"] != "passed" or f["host"].get("status") != "passed" or any(
+        r.get("problem") for r in f["models"])
+
+
+def _warm_process(stage: Stage, item: str) -> subprocess.Popen:
+    """A process of worker ``warm`` for ``item``; a first step's gets caches of its own
+    (Triton's, the autotuner's, Inductor's), empty on its first run (cold), kept for its second
+    (warm)."""
+    env = dict(os.environ)
+    if item.startswith("first:"):
+        caches = stage.work / item.replace(":", "-")
+        env.update(TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(
+            caches / "inductor"), ATTNZOO_AUTOTUNE_CACHE=str(caches / "autotune.json"))
+    elif item.startswith("compile:"):
+        env["ATTNZOO_AUTOTUNE"] = "0"  # compiles only: no kernel timed beside others' compiles
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "warm", "--arg", item,
+           "--work", str(stage.work), "--out", str(stage.out),
+           "--deadline", str(stage.deadline)] + (["--dry-run"] if stage.dry else [])
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
+
+
+def _findings(stage: Stage, item: str) -> dict:
+    path = stage.work / f"{item}.json"
+    return json.loads(path.read_text()) if path.exists() else {"problem": "no result"}
+
+
+def _reap(running, statuses, timeout: float = 600) -> None:
+    item, proc = running.pop(0)
+    _wait(proc, timeout)
+    statuses[item] = proc.returncode
+
+
+def _bench_host(stage: Stage) -> dict:
+    """scripts/bench_host.py: each family's call at batch 1, whole, on the GPU (host-bound);
+    a dry run: its CPU table, launches captured, few calls."""
+    out = stage.work / "host.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--json", str(out)] + (
+        ["--number", "4", "--repeat", "1"] if stage.dry else ["--device", "cuda"])
+    result = dict(command=" ".join(["python", "scripts/bench_host.py"] + cmd[2:]))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True,
+                              timeout=max(min(stage.left() - 30, 90), 5))
+        print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
+        result["status"] = _status(proc.returncode)
+        result["table"] = proc.stdout[proc.stdout.find("Host microseconds"):].strip()
+    except subprocess.TimeoutExpired:
+        result["status"] = "timed out"
+    result["rows"] = json.loads(out.read_text())["calls"] if out.exists() else []
+    return result
+
+
+def _bench_model(stage: Stage, name: str, modes) -> List[dict]:
+    """One process of worker ``bench_model`` for model ``name`` in ``modes``."""
+    item = f"bench:{name}:{','.join(modes)}"
+    proc = None
+    if stage.left() > 45:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "bench_model",
+               "--arg", item, "--work", str(stage.work), "--out", str(stage.out),
+               "--deadline", str(time.time() + min(stage.left() - 30, 150))] + (
+            ["--dry-run"] if stage.dry else [])
+        proc = subprocess.Popen(cmd, cwd=ROOT)
+        _wait(proc, min(stage.left() - 20, 170))
+    found = _findings(stage, item) if proc else {"problem": "out of time"}
+    rows = found.get("rows") or [dict(model=name, mode=m, kind=k) for m in modes
+                                 for k in ("train", "infer")]
+    for row in rows:
+        if not row.get("img_s") and not row.get("problem"):
+            row["problem"] = found.get("error") or found.get("problem") or _status(
+                proc.returncode)
+    return rows
+
+
+def _bench_na(stage: Stage) -> None:
+    f = stage.findings
     na_json = stage.work / "na_bench.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_ops.py"), "--part", "2",
            "--json", str(na_json), "--plot", str(stage.out / "na_bench.png")]
@@ -989,9 +1115,12 @@ def stage_bench(stage: Stage) -> None:
              "1", "--warmup", "0"] if stage.dry else
             ["--device", "cuda", "--dtype", "bf16", "--batch", "64"])
     f["na_command"] = " ".join(["python", "scripts/bench_ops.py"] + cmd[2:])
+    if stage.left() < 20:
+        f["na_status"], f["na"], f["na_table"] = "not run: out of time", [], ""
+        return
     try:
         na = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True,
-                            timeout=max(stage.left() * 0.6, 5))
+                            timeout=max(stage.left() - 10, 5))
         na_out, f["na_status"] = na.stdout, _status(na.returncode)
         print(na.stdout[-6000:], na.stderr[-2000:], flush=True)
     except subprocess.TimeoutExpired as e:  # what it printed by then (str, or bytes)
@@ -1001,69 +1130,166 @@ def stage_bench(stage: Stage) -> None:
     f["na"] = json.loads(na_json.read_text())["rows"] if na_json.exists() else []
     f["na_table"] = na_out[na_out.rfind("\nNA case"):].strip() if "\nNA case" in na_out else ""
     stage.save()
-    f["models"] = _bench_models(stage)
-    stage.save()
+
+
+def models_table(rows: List[dict]) -> str:
+    """img/s per model (rows) and kind and mode (columns), with the ratio to swin_tiny's in
+    the same column and issue 46's target where one applies."""
     from attnzoo.profiling import table
-    f["models_table"] = table(["model", "mode", "batch", "backend", "img/s"], [
-        [r["model"], r["mode"], str(r["batch"]), r["backend"],
-         f"{r['img_s']:.1f}" if r.get("img_s") else r.get("problem", "-")]
-        for r in f["models"]])
-    print(f["models_table"], flush=True)
-    f["failed"] = f["na_status"] != "passed" or any(r.get("problem") for r in f["models"])
+    columns = [(k, m) for k in ("train", "infer") for m in MODES]
+    cell = {(r["model"], r["kind"], r["mode"]): r for r in rows}
+    swin = {c: cell.get((SWIN, *c), {}).get("img_s") for c in columns}
+    body = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        line = [name]
+        for c in columns:
+            r = cell.get((name, *c), {})
+            if not r.get("img_s"):
+                line.append((r.get("problem") or "-").replace("|", "/")[:60])
+                continue
+            text = f"{r['img_s']:.0f}"
+            if swin[c] and name != SWIN:
+                ratio = r["img_s"] / swin[c]
+                target = (RO_TARGETS if c[1] == "reduce-overhead" else {}).get(
+                    name, TARGETS.get(name))
+                text += f" ({ratio:.2f}x" + ("" if target is None else
+                                             ", met" if ratio >= target else
+                                             f", < {target}x") + ")"
+            line.append(text)
+        body.append(line)
+    notes = [f"- {r['model']} {r['kind']} {r['mode']}: " + "; ".join(
+        f"{k.replace('_', ' ')} {r[k]}" for k in ("graph_breaks", "cudagraph_skips", "sync")
+        if r.get(k) not in (None, 0, "ok")) for r in rows
+        if r.get("graph_breaks") or r.get("cudagraph_skips") or r.get("sync", "ok") != "ok"]
+    return "\n".join([table(["model"] + [f"{k} {m}" for k, m in columns], body), ""] + notes)
 
 
-def _reap(running, statuses, timeout: float = 600) -> None:
-    item, proc = running.pop(0)
-    _wait(proc, timeout)
-    statuses[item] = proc.returncode
+def first_table(rows: List[dict]) -> str:
+    from attnzoo.profiling import table
+    return table(["model", "caches", "first training step, s", "second step, s"], [
+        [r.get("model", "?"), r.get("cache", "?"), f"{r['first_s']:.2f}" if r.get("first_s")
+         else r.get("problem", "-"), f"{r['second_s']:.2f}" if r.get("second_s") else "-"]
+        for r in rows])
 
 
-def _bench_models(stage: Stage) -> List[dict]:
-    """img/s as ``attnzoo bench`` measures it (model and input in the dtype, median of timed
-    steps after a warm-up), per backend; swin_tiny has no attnzoo op."""
+def _bench_setup(stage: Stage, name: str):
+    """A model (fp32 parameters) and a step maker ``step(fn, kind)`` for training (batch 32,
+    SGD) or inference (batch 64), under bf16 autocast on a GPU; a dry run's: tiny, fp32, batch
+    1 at 32 px."""
     import timm
     import torch
+    model = timm.create_model(name, **(tiny_kwargs(name) if stage.dry else {})).to(
+        stage.device)
+    size = 32 if stage.dry else 224
+    batch = {"train": 1 if stage.dry else 32, "infer": 1 if stage.dry else 64}
+    inputs = {k: torch.randn(b, 3, size, size, device=stage.device) for k, b in batch.items()}
+    target = torch.zeros(batch["train"], dtype=torch.long, device=stage.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step(fn, kind):
+        def infer():
+            with torch.no_grad(), torch.autocast(stage.device, torch.bfloat16,
+                                                 enabled=not stage.dry):
+                fn(inputs["infer"])
+
+        def train():
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(stage.device, torch.bfloat16, enabled=not stage.dry):
+                loss = torch.nn.functional.cross_entropy(fn(inputs["train"]).float(), target)
+            loss.backward()
+            optimizer.step()
+        return infer if kind == "infer" else train
+    return model, step, batch
+
+
+def _compiled(model, mode: str, dry: bool):
+    import torch
+    if mode == "eager":
+        return model
+    if dry:  # Inductor's CPU code takes minutes; CUDA graphs need a GPU
+        return torch.compile(model, backend="aot_eager")
+    return torch.compile(model, mode=None if mode == "compiled" else mode)
+
+
+def worker_bench_model(stage: Stage) -> None:
+    """One model's img/s, training and inference, eager, compiled and with CUDA graphs (its
+    graphs from the caches the parallel compiles filled), in this one process; for the CUDA
+    graphs' training step also Dynamo's graph breaks, Inductor's skipped CUDA-graph partitions,
+    and whether a step synchronises the host (``torch.cuda.set_sync_debug_mode("error")``)."""
+    import torch
+    import torch._dynamo
 
     import attnzoo
-    from attnzoo.profiling import model_step, time_steps
-    dtype = torch.float32 if stage.dry else torch.bfloat16
-    rows = []
-    for mode, batch in (("inference", 1 if stage.dry else 64), ("train", 1 if stage.dry else 32)):
-        for name in BENCH_MODELS:
+    from attnzoo.profiling import time_steps
+    _, name, modes = stage.arg.split(":")
+    model, step, batch = _bench_setup(stage, name)
+    rows = stage.findings["rows"] = []
+    counters = torch._dynamo.utils.counters
+    for mode in modes.split(","):
+        fn = _compiled(model, mode, stage.dry)
+        for kind in ("train", "infer"):
+            row = dict(model=name, mode=mode, kind=kind, batch=batch[kind])
+            rows.append(row)
             if stage.left() < 20:
-                rows.append(dict(model=name, mode=mode, batch=batch, backend="-",
-                                 problem="out of time"))
+                row["problem"] = "out of time"
                 continue
-            model = timm.create_model(name, **(tiny_kwargs(name) if stage.dry else {})).to(
-                stage.device, dtype).train(mode == "train")
-            size = 32 if stage.dry else 224
-            x = torch.randn(batch, 3, size, size, device=stage.device, dtype=dtype)
-            for backend in ((None,) if name.startswith("swin") else
-                            ("torch",) if stage.dry else ("cuda", "torch")):
-                with attnzoo.use_backend(backend or "auto"):
-                    seconds = statistics.median(time_steps(
-                        model_step(model, x, mode == "train"), stage.device,
-                        warmup=0 if stage.dry else 2, repeats=1 if stage.dry else 10))
-                rows.append(dict(model=name, mode=mode, batch=batch,
-                                 backend=backend or "(no attnzoo op)", img_s=batch / seconds))
-                print(f"{name} {mode} b{batch} {backend}: {batch / seconds:.1f} img/s",
-                      flush=True)
-            del model
-    return rows
+            counters.clear()
+            run = step(fn, kind)
+            with attnzoo.use_backend("auto"):
+                try:
+                    start = time.time()
+                    run()
+                    row["first_s"] = round(time.time() - start, 2)
+                    times = time_steps(run, stage.device, warmup=0 if stage.dry else 3,
+                                       repeats=1 if stage.dry else 10)
+                    row["img_s"] = batch[kind] / statistics.median(times)
+                    row["graph_breaks"] = sum(counters["graph_break"].values())
+                    row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+                    if kind == "train" and not stage.dry:
+                        torch.cuda.set_sync_debug_mode("error")
+                        try:
+                            run()
+                            row["sync"] = "ok"
+                        except RuntimeError as e:
+                            row["sync"] = f"synchronises: {str(e).splitlines()[0][:120]}"
+                        finally:
+                            torch.cuda.set_sync_debug_mode(0)
+                except Exception as e:  # noqa: BLE001 - a mode that fails is its row's finding
+                    row["problem"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"{name} {mode} {kind} b{batch[kind]}: "
+                  f"{row.get('img_s', 0):.1f} img/s {row.get('problem', '')}", flush=True)
+            stage.save()
+        torch._dynamo.reset()
 
 
 def worker_warm(stage: Stage) -> None:
     """Stage 6's compiles for one item, into Triton's (and Inductor's) cache: every autotune
-    configuration of its launches compiled, none timed; FlexAttention's graphs."""
+    configuration of its launches compiled, none timed; FlexAttention's graphs, with and
+    without rpb; a model's compiled graphs in one mode; or a first training step, timed."""
     import timm
     import torch
 
     import attnzoo
     from attnzoo.kernels import neighborhood as kn
     from attnzoo.ops import na2d
+    kind, _, what = stage.arg.partition(":")
+    if kind == "first":
+        from attnzoo.profiling import time_steps
+        model, step, _ = _bench_setup(stage, what)
+        with attnzoo.use_backend("auto"):
+            first, second = time_steps(step(model, "train"), stage.device, warmup=0, repeats=2)
+        stage.findings.update(model=what, first_s=round(first, 3), second_s=round(second, 3))
+        return
+    if kind == "compile":
+        name, mode = what.split(":")
+        model, step, _ = _bench_setup(stage, name)
+        fn = _compiled(model, mode, stage.dry)
+        for k in ("train", "infer"):
+            for _ in range(2):  # (CUDA graphs record on the second call)
+                step(fn, k)()
+        return
     kn._TUNER.bench = lambda fn: 0.0  # compile every configuration, time none
     kn._TUNER.store = None  # and keep no such untimed choice on disk
-    kind, _, what = stage.arg.partition(":")
     dtype = torch.float32 if stage.dry else torch.bfloat16
     if kind == "na":
         i = int(what)
@@ -1082,9 +1308,10 @@ def worker_warm(stage: Stage) -> None:
             sys.path.insert(0, str(ROOT / "scripts"))
             import bench_ops  # (it unsets TRITON_INTERPRET: not in a dry run)
             flex = bench_ops.flex_na(shape, K, d, stage.device, compile_=True)
-            flex(q, k, v).sum().backward()
-            with torch.no_grad():
-                flex(q, k, v)
+            for bias in (rpb, None):
+                flex(q, k, v, bias).sum().backward()
+                with torch.no_grad():
+                    flex(q, k, v, bias)
     else:
         model = timm.create_model(what, **(tiny_kwargs(what) if stage.dry else {})).to(
             stage.device, dtype)
@@ -1099,7 +1326,8 @@ def worker_warm(stage: Stage) -> None:
 
 WORKERS: Dict[str, Callable[[Stage], None]] = {
     "env": stage_env, "smoke": stage_smoke, "tests": stage_tests, "models": stage_models,
-    "bench": stage_bench, "model": worker_model, "warm": worker_warm}
+    "bench": stage_bench, "model": worker_model, "warm": worker_warm,
+    "bench_model": worker_bench_model}
 
 
 if __name__ == "__main__":

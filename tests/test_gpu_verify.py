@@ -73,8 +73,17 @@ def test_the_dry_run_exercises_every_stage_and_writes_the_whole_result(tmp_path)
     bench = stages["bench"]["findings"]
     assert set(bench["warm"]["items"].values()) == {0}
     assert len(bench["na"]) == 6 and bench["na_status"] == "passed"
-    assert {r["model"] for r in bench["models"]} == set(gpu_verify.BENCH_MODELS)
-    assert all(r["img_s"] > 0 for r in bench["models"])
+    assert bench["host"]["status"] == "passed" and {r["call"].split()[0] for r in bench[
+        "host"]["rows"]} == {"na2d", "qna2d", "san_aggregation", "san_subtraction2",
+                            "F.scaled_dot_product_attention"}
+    # every mode and kind of each model (on a GPU: every family's tiny model), eager first
+    assert [(r["model"], r["mode"], r["kind"]) for r in bench["models"]] == [
+        (m, mode, kind) for modes in (gpu_verify.MODES[:1], gpu_verify.MODES[1:])
+        for m in gpu_verify.DRY_BENCH_MODELS for mode in modes for kind in ("train", "infer")]
+    assert all(r["img_s"] > 0 and r["graph_breaks"] == 0 for r in bench["models"])
+    assert [(r["model"], r["cache"]) for r in bench["first_steps"]] == [
+        ("san10_patchwise", "cold"), ("san10_patchwise", "warm")]
+    assert all(r["first_s"] > 0 for r in bench["first_steps"])
 
     # the verdict, and a record per family in the records file's own format
     assert result["verdict"] == {f: dict.fromkeys(gpu_verify.DTYPES, "passed")
@@ -86,6 +95,10 @@ def test_the_dry_run_exercises_every_stage_and_writes_the_whole_result(tmp_path)
     assert (tmp_path / "records.jsonl").read_text().splitlines() == result["records"]
     summary = (tmp_path / "summary.md").read_text()
     assert "| neighborhood | passed | passed | passed |" in summary
+    for section in ("## Host time per call", "## Models (img/s", "## First training step",
+                    "## NA at NAT-tiny's"):
+        assert section in summary, section
+    assert "san10_patchwise" in summary.split("## Models (img/s")[1]
     assert all(line in summary for line in result["records"])
     log = (tmp_path / "log.txt").read_text()
     assert all(f"===== stage {name} =====" in log for name in gpu_verify.STAGES if
@@ -181,3 +194,35 @@ def test_the_verdict_holds_each_finding_against_its_family_and_dtype():
     assert gpu_verify._problems("models", models, "san", "float32") == [
         "torch.compile of san10_pairwise: no result (timed out)"]
     assert gpu_verify._problems("tests", {}, "san", "float32") == ["no test result"]
+
+
+def test_the_models_table_marks_issue_46s_targets_against_swin_in_the_same_column():
+    rows = [dict(model=gpu_verify.SWIN, mode=m, kind=k, img_s=100.0)
+            for m in gpu_verify.MODES for k in ("train", "infer")]
+    rows += [dict(model="nat_tiny", mode="eager", kind="train", img_s=48.0),
+             dict(model="nat_tiny", mode="reduce-overhead", kind="train", img_s=125.0,
+                  sync="synchronises: x", cudagraph_skips=1),
+             dict(model="nat_tiny", mode="compiled", kind="infer", problem="out of time")]
+    text = gpu_verify.models_table(rows)
+    nat = next(line for line in text.splitlines() if line.startswith("nat_tiny"))
+    assert "48 (0.48x, < 1.0x)" in nat and "125 (1.25x, met)" in nat and "out of time" in nat
+    assert "- nat_tiny train reduce-overhead: cudagraph skips 1; sync synchronises: x" in text
+
+
+def test_the_benchs_flex_attention_baseline_is_na_with_nats_rpb():
+    """bench_ops.flex_na (the bench's FlexAttention baseline, eager here: CPU) computes the
+    torch reference's NA, with the rpb through its score_mod and without, dilated too."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    spec = importlib.util.spec_from_file_location("bench_ops", ROOT / "scripts" / "bench_ops.py")
+    bench_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_ops)
+    from attnzoo.ops import na2d
+    for shape, K, d in [((1, 9, 10, 2, 8), 3, 2), ((2, 8, 8, 1, 8), 5, 1)]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
+        rpb = torch.randn(shape[3], 2 * K - 1, 2 * K - 1, generator=g)
+        flex = bench_ops.flex_na(shape, K, d, "cpu", compile_=False)
+        for bias in (rpb, None):
+            torch.testing.assert_close(flex(q, k, v, bias), na2d(
+                q, k, v, kernel_size=K, dilation=d, rpb=bias, backend="torch"),
+                atol=1e-5, rtol=1e-5)
