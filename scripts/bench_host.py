@@ -71,15 +71,16 @@ def _kernels_on_any_device():
 
 def _calls(device: str, batch: int) -> Dict[str, Callable[[bool], Callable[[str], torch.Tensor]]]:
     """Label -> ``make(grad)``: the inputs of one call built once (``grad``: leaves that
-    require grad, listed in ``run.leaves``), and ``run(backend)`` running it. NAT-tiny's last
+    require grad, listed in ``run.leaves``), and ``run(backend)`` running it, in bf16 with
+    fp32 biases (parameters under autocast). NAT-tiny's last
     stage (7x7, 16 heads, K 7, rpb), DiNAT's dilated stage 2, QnA-ViT-tiny's last QnA stage,
     SAN10's stage 3."""
     dtype = torch.bfloat16
     leaves = []
 
-    def new(*shape, grad):
-        t = torch.empty(shape, device=device, dtype=dtype).requires_grad_(grad)
-        leaves.append(t)
+    def new(*shape, grad, param=False):  # a parameter in fp32, as under autocast
+        t = torch.empty(shape, device=device, dtype=torch.float32 if param else dtype)
+        leaves.append(t.requires_grad_(grad))
         return t
 
     def with_leaves(make):
@@ -93,13 +94,14 @@ def _calls(device: str, batch: int) -> Dict[str, Callable[[bool], Callable[[str]
     def na(H, heads, dilation):
         def make(grad):
             q, k, v = new(batch, H, H, 3, heads, 32, grad=grad).unbind(3)  # NAT's qkv views
-            rpb = new(heads, 13, 13, grad=grad)
+            rpb = new(heads, 13, 13, grad=grad, param=True)
             return lambda b: na2d(q, k, v, kernel_size=7, dilation=dilation, rpb=rpb, backend=b)
         return make
 
     def qna(grad):
         logits, v = new(batch, 14, 14, 2, 32, grad=grad), new(batch, 14, 14, 32, 8, grad=grad)
-        rpb, ws = new(2, 32, 3, 3, grad=grad), new(2, 32, 3, 3, grad=grad)
+        rpb, ws = new(2, 32, 3, 3, grad=grad, param=True), new(2, 32, 3, 3, grad=grad,
+                                                                   param=True)
         return lambda b: qna2d(logits, v, kernel_size=3, rpb=rpb, window_weights=ws, backend=b)
 
     def aggregation(grad):
