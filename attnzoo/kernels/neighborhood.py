@@ -11,10 +11,11 @@ Backward, FlashAttention-2 style, recomputing the probabilities from the log-sum
 * query-centric pass: ``delta = rowsum(dO * O)``, ``dQ``, and the rpb gradient. For each
   region row a block touches, each block's ``dS`` is gathered by relative x-offset
   (``tl.gather``), then folded into relative rows with a one-hot ``tl.dot``, so a program
-  reduces its whole tile into one ``(2K-1)^2`` table in registers and writes it once; the tables
-  of all programs are summed afterwards (deterministic, no contended atomics);
+  reduces its whole tile into one ``(2K-1)^2`` table in registers and writes it once;
 * key-centric pass: a tile of keys streams the queries whose (clamped) windows reach it and
-  accumulates ``dK`` and ``dV`` in registers: overlapping windows need no atomics.
+  accumulates ``dK`` and ``dV`` in registers: overlapping windows need no atomics. A few more
+  programs of the same launch sum the first pass's tables per head, in a fixed order
+  (deterministic, no contended atomics), into the bias's gradient in its own dtype.
 
 Host side: each kernel's launch configuration (tiling, warps, pipeline stages) comes from a
 small autotune space per call (:func:`configs`: the tiling of least logit work first), timed on
@@ -266,9 +267,11 @@ def _na_bwd_dkdv_kernel(
                    HAS_RPB, NREL, PRECISION)
 
 
-# the rpb gradient's reduction: entries per program, and partial rows summed per step
-SUM_ENTRIES = tl.constexpr(32)
-SUM_ROWS = tl.constexpr(64)
+# the rpb gradient's reduction: table entries per program, and tables summed per step (a few
+# programs per head, appended to the dK/dV launch: each loads wide blocks, so that a long sum
+# takes few dependent steps)
+SUM_ENTRIES = tl.constexpr(16)
+SUM_ROWS = tl.constexpr(128)
 
 
 @triton.jit
@@ -282,14 +285,13 @@ def _sum_rpb_tables(PARTIAL, DRPB, r, heads, batch, partial_rows, KH: tl.constex
     blocks: tl.constexpr = (N + SUM_ENTRIES - 1) // SUM_ENTRIES
     h = r // blocks
     cols = (r % blocks) * SUM_ENTRIES + tl.arange(0, SUM_ENTRIES)
-    rows = tl.arange(0, SUM_ROWS)
+    total = batch * partial_rows  # this head's tables, (batch, program) flattened
     acc = tl.zeros([SUM_ROWS, SUM_ENTRIES], tl.float32)
-    for b in range(batch):
-        table = PARTIAL + (b * heads + h).to(tl.int64) * partial_rows * N
-        for p0 in range(0, partial_rows, SUM_ROWS):
-            p = p0 + rows
-            acc += tl.load(table + p[:, None] * N + cols[None, :],
-                           mask=(p[:, None] < partial_rows) & (cols[None, :] < N), other=0.)
+    for f0 in range(0, total, SUM_ROWS):
+        f = f0 + tl.arange(0, SUM_ROWS)
+        table = ((f // partial_rows) * heads + h).to(tl.int64) * partial_rows + f % partial_rows
+        acc += tl.load(PARTIAL + table[:, None] * N + cols[None, :],
+                       mask=(f[:, None] < total) & (cols[None, :] < N), other=0.)
     tl.store(DRPB + h * N + cols, tl.sum(acc, 0), mask=cols < N)
 
 
@@ -486,10 +488,9 @@ def support(device: str, dtype: torch.dtype, head_dim: int, v_dim: int,
 _TUNER = Autotuner(store=TuningStore())
 
 
-def _run(kernel, grid, *args, warmup=False, **kwargs):
-    # The one launch point of these kernels (tests observe launches here); see
-    # kernels.launch_on_device, which also captures them for scripts/compile_kernels.py.
-    return launch_on_device(kernel, grid, *args, warmup=warmup, **kwargs)
+# The one launch point of these kernels (tests observe launches here): kernels.launch_on_device,
+# which also captures them for scripts/compile_kernels.py.
+_run = launch_on_device
 
 
 # A call key's launch plan: (grid, config, the arguments every kernel takes besides tensors and

@@ -49,17 +49,19 @@ def _as_tuple(value: IntOrTuple, n: int, name: str) -> Tuple[int, ...]:
     raise TypeError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
 
 
-def _check_tensors(fn: str, n: int, layout: str, **tensors: torch.Tensor) -> None:
-    """Each tensor is a floating-point ``n + 3``-D tensor; all share dtype and device."""
+def _check_tensors(fn: str, n: int, last: str, **tensors: torch.Tensor) -> None:
+    """Each tensor is a floating-point ``n + 3``-D tensor (:func:`_layout` ``(n, last)``); all
+    share dtype and device."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != n + 3:
-            raise ValueError(f"{fn}: {name} must be {n + 3}-D {layout}, got shape {tuple(t.shape)}")
+            raise ValueError(f"{fn}: {name} must be {n + 3}-D {_layout(n, last)}, got shape "
+                             f"{tuple(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{fn}: {name} must be a floating-point tensor, got {t.dtype}")
     ts = list(tensors.values())
-    if len({t.dtype for t in ts}) > 1 or len({t.device for t in ts}) > 1:
+    if any(t.dtype != ts[0].dtype or t.device != ts[0].device for t in ts[1:]):
         names = ", ".join(tensors)
         raise ValueError(f"{fn}: {names} must share dtype and device; got "
                          f"{'/'.join(str(t.dtype) for t in ts)} on "
@@ -104,7 +106,7 @@ def _layout(n: int, last: str = "head_dim") -> str:
 def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
     """Validate an NA call; returns (kernel_size, dilation) as tuples."""
     fn = f"na{n}d"
-    _check_tensors(fn, n, _layout(n), q=q, k=k, v=v)
+    _check_tensors(fn, n, "head_dim", q=q, k=k, v=v)
     if q.shape != k.shape or q.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"{fn}: q and k must have the same shape and v the same [B, *spatial, "
                          f"heads]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -842,8 +844,8 @@ def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
     ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, rpb))
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or rpb is not None and rpb.requires_grad)
     call = NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None, grad, ks, v.shape[-1])
     return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale)
 
@@ -1089,7 +1091,7 @@ def _grad(*tensors) -> bool:
 
 def _na_qk(n, q, k, kernel_size, dilation, rpb, backend):
     fn = f"na{n}d_qk"
-    _check_tensors(fn, n, _layout(n), q=q, k=k)
+    _check_tensors(fn, n, "head_dim", q=q, k=k)
     if q.shape != k.shape:
         raise ValueError(f"{fn}: q and k must have the same shape; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
@@ -1103,7 +1105,7 @@ def _na_qk(n, q, k, kernel_size, dilation, rpb, backend):
 
 def _na_av(n, attn, v, kernel_size, dilation, backend):
     fn = f"na{n}d_av"
-    _check_tensors(fn, n, _layout(n, "kernel_area"), attn=attn, v=v)
+    _check_tensors(fn, n, "kernel_area", attn=attn, v=v)
     ks, dil = _check_window(fn, n, kernel_size, dilation, tuple(v.shape[1:1 + n]))
     if attn.shape[:-1] != v.shape[:-1] or attn.shape[-1] != math.prod(ks):
         raise ValueError(
