@@ -493,7 +493,7 @@ def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
         keys = calls.setdefault(op, [])
         if key not in keys:
             keys.append(key)
-    empty = any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
+    empty = 0 in [a.numel() for a in args if isinstance(a, torch.Tensor)]
     impl = spec.backends["torch" if empty else name].impl
     if not _observers:
         return impl(*args)

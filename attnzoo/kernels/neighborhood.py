@@ -562,7 +562,7 @@ def _plan(kernel, q, v, kernel_size, dilation, has_rpb, precision, config, run, 
 def _forward_outputs(q, v):
     """o ``[B, H, W, heads, dv]`` in q's dtype and the log-sum-exp ``[B, heads, H, W]``."""
     B, H, W, heads, _ = q.shape
-    return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+    return (q.new_empty((B, H, W, heads, v.shape[-1])),
             q.new_empty((B, heads, H, W), dtype=torch.float32))
 
 
@@ -592,15 +592,15 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
     dq, dk, dv, drpb = _backward_outputs(q, k, v, rpb, need_rpb_grad, need_kv_grad)
     n_rel = (2 * KH - 1) * (2 * KW - 1)
     rpb_arg = q if rpb is None else rpb  # a stand-in pointer, never read (HAS_RPB=False)
-    # delta (rowsum(dO * O), [B, heads, H, W]) and one rpb-gradient table per program of the
-    # last dq launch, in one allocation
+    # delta (rowsum(dO * O), laid out as lse: the kernels index both flat), then one
+    # rpb-gradient table per program of the last dq launch, in one allocation
     scratch = []
 
     def run_dq(grid, config, args, warmup):
         rows = grid[0] if need_rpb_grad else 1
         buffer = torch.empty(lse.numel() + rows * n_rel, device=q.device, dtype=torch.float32)
-        scratch[:] = buffer[:lse.numel()].view(lse.shape), buffer[lse.numel():]
-        return _run(_na_bwd_dq_kernel, grid, q, k, v, rpb_arg, o, do, lse, scratch[0], dq,
+        scratch[:] = buffer, buffer[lse.numel():]
+        return _run(_na_bwd_dq_kernel, grid, q, k, v, rpb_arg, o, do, lse, buffer, dq,
                     scratch[1], *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                     *do.stride(), *dq.stride(), qk_scale=scale * LOG2E, scale=scale,
                     RPB_GRAD=need_rpb_grad, warmup=warmup, **args)

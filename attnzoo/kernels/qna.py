@@ -24,6 +24,8 @@ Backward, recomputing the probabilities from the log-sum-exp
 """
 from __future__ import annotations
 
+import functools
+
 from typing import List, Optional
 
 import torch
@@ -258,11 +260,17 @@ def _grid(batch_heads: int, spatial, geo) -> tuple:
 
 
 def _geometry(logits, v, kernel_size, stride, sum_queries):
-    B, H, W, L, heads = logits.shape
+    """The kernels' sizes and constexprs of a call (computed once per call key; read only)."""
+    return _geometry_of(logits.shape, v.shape[-1], kernel_size, stride, sum_queries)
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry_of(shape, D, kernel_size, stride, sum_queries):
+    B, H, W, L, heads = shape
     Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
-    th, tw = tile(L, v.shape[-1])
-    return dict(heads=heads, H=H, W=W, Ho=Ho, Wo=Wo, L=L, D=v.shape[-1], K=kernel_size,
-                STRIDE=stride, TH=th, TW=tw, BD=pow2(v.shape[-1], 1), LP=pow2(L, 1),
+    th, tw = tile(L, D)
+    return dict(heads=heads, H=H, W=W, Ho=Ho, Wo=Wo, L=L, D=D, K=kernel_size,
+                STRIDE=stride, TH=th, TW=tw, BD=pow2(D, 1), LP=pow2(L, 1),
                 SUM_QUERIES=sum_queries, num_warps=NUM_WARPS)
 
 
