@@ -15,8 +15,9 @@ autograd and forward + backward, microseconds per call, warm (the call key seen 
 
 beside the torch reference of the same call on meta tensors (its ops' meta functions; QnA's
 reference is one custom op, its fake on meta), and one ``F.scaled_dot_product_attention`` call
-on CPU tensors of ``[1, 1, 1, 8]`` (a fused op's host cost: one dispatch and one kernel). A
-backward runs through 20 calls at once, as in a training step (the autograd engine's start is
+on CPU tensors of ``[1, 1, 1, 8]`` (a fused op's host cost: one dispatch and one kernel), and
+a floor: NA's call reduced to its allocations in an ``autograd.Function``, on the same views
+(what that design costs before any of attnzoo's Python). A backward runs through 20 calls at once, as in a training step (the autograd engine's start is
 paid once per step). Targets (issue 46, warm key): forward <= 25 us, forward + backward <= 60
 us.
 
@@ -152,6 +153,38 @@ def _sdpa(device: str):
 
 
 SDPA = "F.scaled_dot_product_attention [1, 1, 1, 8]"
+FLOOR = "floor: na2d's allocations in an autograd.Function"
+
+
+class _Allocations(torch.autograd.Function):
+    """NA's call with nothing but its allocations: o and lse, then dq, dk, dv, the rpb's
+    gradient and the scratch (the floor of an eager ``autograd.Function`` design)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rpb):
+        B, H, W, heads, d = q.shape
+        lse = q.new_empty((B, heads, H, W), dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, rpb, lse)
+        return q.new_empty((B, H, W, heads, d))
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, rpb, lse = ctx.saved_tensors
+        lse.new_empty(lse.numel() * 2)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), \
+            rpb.new_empty(rpb.shape)
+
+
+def _floor(make):
+    """``make``'s NA call (q, k, v views of one qkv leaf, and an rpb; with gradients) through
+    :class:`_Allocations`."""
+    def made(grad):
+        qkv, rpb = make(grad).leaves
+        q, k, v = qkv.unbind(3)
+        run = lambda _: _Allocations.apply(q, k, v, rpb)  # noqa: E731
+        run.leaves = [qkv, rpb]
+        return run
+    return made
 
 
 def measure_calls(number: int, repeat: int) -> List[dict]:
@@ -171,6 +204,8 @@ def measure_calls(number: int, repeat: int) -> List[dict]:
     for passes in ("fwd", "fwd+bwd"):
         rows.append({"call": SDPA + ", cpu", "passes": passes,
                      "cuda, cpu": _per_call(_sdpa("cpu"), None, passes, number, repeat)})
+    rows.append({"call": FLOOR + ", cpu", "passes": "fwd+bwd", "cuda, cpu": _per_call(
+        _floor(next(iter(cpu.values()))), None, "fwd+bwd", number, repeat)})
     return rows
 
 
@@ -279,7 +314,7 @@ def calls_table(rows: List[dict], argv: List[str]) -> str:
              "| call | pass | " + " | ".join(columns) + " | target |",
              "|---" * (len(columns) + 3) + "|"]
     for r in rows:
-        target = None if r["call"].startswith(SDPA) else TARGET[r["passes"]]
+        target = None if r["call"].startswith((SDPA, FLOOR)) else TARGET[r["passes"]]
         if gpu and target is not None:
             target = GPU_TARGET[r["passes"]] if r["call"].startswith("na2d nat") else None
         lines.append(f"| {r['call']} | {r['passes']} | " +

@@ -75,7 +75,7 @@ def test_the_dry_run_exercises_every_stage_and_writes_the_whole_result(tmp_path)
     assert len(bench["na"]) == 6 and bench["na_status"] == "passed"
     assert bench["host"]["status"] == "passed" and {r["call"].split()[0] for r in bench[
         "host"]["rows"]} == {"na2d", "qna2d", "san_aggregation", "san_subtraction2",
-                            "F.scaled_dot_product_attention"}
+                            "F.scaled_dot_product_attention", "floor:"}
     # every mode and kind of each model (on a GPU: every family's tiny model), eager first
     assert [(r["model"], r["mode"], r["kind"]) for r in bench["models"]] == [
         (m, mode, kind) for modes in (gpu_verify.MODES[:1], gpu_verify.MODES[1:])
