@@ -122,11 +122,10 @@ def raise_recompile_limit(limit: int = 256) -> None:
             setattr(config, name, max(getattr(config, name), limit))
 
 
-def flex_na(shape, kernel: int, dilation: int, device, compile_: bool, rpb: bool = False):
+def flex_na(shape, kernel: int, dilation: int, device, compile_: bool):
     """FlexAttention computing 2-D NA (clamped windows per dilation group) on
-    ``[B, H, W, heads, d]``; returns fn(q, k, v) (``rpb``: fn(q, k, v, rpb), the bias
-    ``[heads, 2K-1, 2K-1]`` added unscaled through ``score_mod``, as NAT adds it) or raises if
-    this torch lacks it."""
+    ``[B, H, W, heads, d]``; returns fn(q, k, v, rpb=None), the bias ``[heads, 2K-1, 2K-1]``
+    added unscaled through ``score_mod`` as NAT adds it, or raises if this torch lacks it."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, H, W, heads, D = shape
@@ -187,8 +186,8 @@ def part_na(args, device, dtype) -> List[dict]:
         print(f"[{label}] dilation {d}", flush=True)
         g = torch.Generator().manual_seed(0)
         base = [torch.randn(shape, generator=g).to(device=device, dtype=dtype) for _ in range(3)]
-        rpb0 = (torch.randn((shape[3], 2 * K - 1, 2 * K - 1), generator=g) * 0.1).to(
-            device=device, dtype=dtype)
+        # the bias in fp32 whatever the dtype: a parameter under autocast, as NAT trains
+        rpb0 = (torch.randn((shape[3], 2 * K - 1, 2 * K - 1), generator=g) * 0.1).to(device)
         # every backend with NAT's rpb and without (one that cannot say so, e.g. NATTEN >= 0.20
         # has no rpb), then FlexAttention with and without it
         variants = {

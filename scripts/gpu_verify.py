@@ -987,6 +987,7 @@ TARGETS = {"nat_tiny": 1.0, "dinat_tiny": 0.9, "qna_vit_tiny": 1.0, "san10_patch
 RO_TARGETS = {"nat_tiny": 1.2}
 FIRST_STEP = ("nat_tiny", SWIN)  # first training step, cold caches then warm
 WARM_SHARE = 0.45  # of the bench stage's time, at most, for the parallel compiles
+WARM_JOBS = 6  # processes at a time: each holds a model's training step in GPU memory
 
 
 def stage_bench(stage: Stage) -> None:
@@ -997,22 +998,23 @@ def stage_bench(stage: Stage) -> None:
     f = stage.findings
     start = time.time()
     models = DRY_BENCH_MODELS if stage.dry else BENCH_MODELS
-    items = ([f"na:{i}" for i in range(6)] + [f"model:{m}" for m in models[1:]]
+    items = ([f"first:{m}" for m in FIRST_STEP]  # the longest first
              + [f"compile:{m}:{mode}" for m in models for mode in MODES[1:]]
-             + [f"first:{m}" for m in FIRST_STEP])
+             + [f"na:{i}" for i in range(6)] + [f"model:{m}" for m in models[1:]])
     if stage.dry:
-        items = ["na:0", "model:san10_patchwise", "first:san10_patchwise"]
+        items = ["first:san10_patchwise", "na:0", "model:san10_patchwise"]
     until = start + WARM_SHARE * stage.left()  # the timings get the rest
+    jobs = max(1, min(stage.jobs, WARM_JOBS))
     running, statuses = [], {}
-    for item in items:  # at most `jobs` at a time
-        while len(running) >= max(1, stage.jobs):
-            _reap(running, statuses, until - time.time())
+    for item in items:
+        while len(running) >= jobs:
+            _reap(running, statuses, until)
         if time.time() < until:
             running.append((item, _warm_process(stage, item)))
         else:
             statuses[item] = "not started: out of time"
     while running:
-        _reap(running, statuses, until - time.time())
+        _reap(running, statuses, until)
     f["warm"] = {"seconds": round(time.time() - start, 1), "items": statuses}
     print(f"compiled in parallel: {time.time() - start:.0f} s", flush=True)
     f["first_steps"] = [dict(_findings(stage, item), cache="cold") for item in items
@@ -1027,6 +1029,7 @@ def stage_bench(stage: Stage) -> None:
         stage.save()
     for item in [i for i in items if i.startswith("first:")]:
         if stage.left() > 60:
+            (stage.work / f"{item}.json").unlink(missing_ok=True)  # the cold run's
             _wait(_warm_process(stage, item), stage.left() - 30)
             f["first_steps"].append(dict(_findings(stage, item), cache="warm"))
     stage.save()
@@ -1056,14 +1059,28 @@ def _warm_process(stage: Stage, item: str) -> subprocess.Popen:
 
 
 def _findings(stage: Stage, item: str) -> dict:
+    """What worker ``item`` saved; a first step's names its model even without a result."""
     path = stage.work / f"{item}.json"
-    return json.loads(path.read_text()) if path.exists() else {"problem": "no result"}
+    found = json.loads(path.read_text()) if path.exists() else {"problem": "no result"}
+    if item.startswith("first:"):
+        found.setdefault("model", item.partition(":")[2])
+    return found
 
 
-def _reap(running, statuses, timeout: float = 600) -> None:
-    item, proc = running.pop(0)
-    _wait(proc, timeout)
-    statuses[item] = proc.returncode
+def _reap(running, statuses, until: float) -> None:
+    """Wait for any of ``running`` (item, process) to end, and take it out; at ``until``, end
+    them all."""
+    while time.time() < until:
+        for i, (item, proc) in enumerate(running):
+            if proc.poll() is not None:
+                del running[i]
+                statuses[item] = proc.returncode
+                return
+        time.sleep(0.2)
+    for item, proc in running:
+        _wait(proc, 0)
+        statuses[item] = f"ended at the compile phase's limit ({_status(proc.returncode)})"
+    running.clear()
 
 
 def _bench_host(stage: Stage) -> dict:
@@ -1071,14 +1088,16 @@ def _bench_host(stage: Stage) -> dict:
     a dry run: its CPU table, launches captured, few calls."""
     out = stage.work / "host.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--json", str(out)] + (
-        ["--number", "4", "--repeat", "1"] if stage.dry else ["--device", "cuda"])
+        ["--number", "4", "--repeat", "1"] if stage.dry else
+        ["--device", "cuda", "--number", "40", "--repeat", "3"])
     result = dict(command=" ".join(["python", "scripts/bench_host.py"] + cmd[2:]))
     try:
         proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True,
                               timeout=max(min(stage.left() - 30, 90), 5))
         print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
         result["status"] = _status(proc.returncode)
-        result["table"] = proc.stdout[proc.stdout.find("Host microseconds"):].strip()
+        at = proc.stdout.find("Host microseconds")
+        result["table"] = proc.stdout[at:].strip() if at >= 0 else ""
     except subprocess.TimeoutExpired:
         result["status"] = "timed out"
     result["rows"] = json.loads(out.read_text())["calls"] if out.exists() else []
@@ -1097,8 +1116,9 @@ def _bench_model(stage: Stage, name: str, modes) -> List[dict]:
         proc = subprocess.Popen(cmd, cwd=ROOT)
         _wait(proc, min(stage.left() - 20, 170))
     found = _findings(stage, item) if proc else {"problem": "out of time"}
-    rows = found.get("rows") or [dict(model=name, mode=m, kind=k) for m in modes
-                                 for k in ("train", "infer")]
+    saved = {(r["mode"], r["kind"]): r for r in found.get("rows", [])}
+    rows = [saved.get((m, k), dict(model=name, mode=m, kind=k)) for m in modes
+            for k in ("train", "infer")]  # every pair, those the worker did not reach too
     for row in rows:
         if not row.get("img_s") and not row.get("problem"):
             row["problem"] = found.get("error") or found.get("problem") or _status(
@@ -1220,7 +1240,7 @@ def worker_bench_model(stage: Stage) -> None:
     import torch._dynamo
 
     import attnzoo
-    from attnzoo.profiling import time_steps
+    from attnzoo.profiling import synchronize, time_steps
     _, name, modes = stage.arg.split(":")
     model, step, batch = _bench_setup(stage, name)
     rows = stage.findings["rows"] = []
@@ -1239,6 +1259,7 @@ def worker_bench_model(stage: Stage) -> None:
                 try:
                     start = time.time()
                     run()
+                    synchronize(stage.device)
                     row["first_s"] = round(time.time() - start, 2)
                     times = time_steps(run, stage.device, warmup=0 if stage.dry else 3,
                                        repeats=1 if stage.dry else 10)
@@ -1300,8 +1321,8 @@ def worker_warm(stage: Stage) -> None:
             shape = (1, 9, 9, 2, 8)
         q, k, v = (torch.randn(shape, device=stage.device, dtype=dtype, requires_grad=True)
                    for _ in range(3))
-        rpb = torch.zeros(shape[3], 2 * K - 1, 2 * K - 1, device=stage.device, dtype=dtype,
-                          requires_grad=True)
+        rpb = torch.zeros(shape[3], 2 * K - 1, 2 * K - 1, device=stage.device,
+                          requires_grad=True)  # fp32, as bench_ops.py and NAT under autocast
         for bias in (rpb, None):
             na2d(q, k, v, kernel_size=K, dilation=d, rpb=bias, backend="cuda").sum().backward()
         if not stage.dry:
@@ -1312,15 +1333,11 @@ def worker_warm(stage: Stage) -> None:
                 flex(q, k, v, bias).sum().backward()
                 with torch.no_grad():
                     flex(q, k, v, bias)
-    else:
-        model = timm.create_model(what, **(tiny_kwargs(what) if stage.dry else {})).to(
-            stage.device, dtype)
-        x = torch.randn(2, 3, 32 if stage.dry else 224, 32 if stage.dry else 224,
-                        device=stage.device, dtype=dtype)
+    else:  # as the bench runs it: fp32 parameters under bf16 autocast (the kernels' dtypes)
+        model, step, _ = _bench_setup(stage, what)
         with attnzoo.use_backend("cuda"):
-            with torch.no_grad():
-                model.eval()(x)
-            model.train()(x).float().sum().backward()
+            step(model, "infer")()
+            step(model, "train")()
     print(f"warm {stage.arg}: done", flush=True)
 
 

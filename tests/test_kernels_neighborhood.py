@@ -163,7 +163,7 @@ def test_rpb_gradient_summed_over_many_programs():
 def test_round_to_matches_torch(dtype):
     """tiling.round_to, the kernels' rounding of an fp32 bias to q's dtype, is torch's cast:
     ties to even (bf16's 1 + 2^-8 and 1 + 3 * 2^-8 go down and up), both signs, subnormals,
-    overflow to inf."""
+    overflow to inf, infinities and NaN (one whose bits would carry over)."""
     import triton
     import triton.language as tl
 
@@ -174,13 +174,15 @@ def test_round_to_matches_torch(dtype):
 
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 1 + 3 * 2 ** -11,
-                                 100.25, -100.75, 1e-39, 7e4, 0.0]),
+                                 100.25, -100.75, 1e-39, 7e4, 0.0, float("inf"),
+                                 -float("inf")]),
+                   torch.tensor([-1], dtype=torch.int32).view(torch.float32),  # NaN, 0xFFFFFFFF
                    torch.randn(40, generator=g) * 50])
     y = torch.empty_like(x, device=DEVICE)
     kernel[(1,)](x.to(DEVICE), y, x.numel(),
                  {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
                   torch.float32: tl.float32}[dtype])
-    assert torch.equal(y.cpu(), x.to(dtype).float())
+    torch.testing.assert_close(y.cpu(), x.to(dtype).float(), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # masked lanes, dropped
@@ -248,6 +250,15 @@ def test_inference_under_no_grad():
     ref = na2d(*(t.cpu() for t in (q, k, v)), kernel_size=3, rpb=rpb.cpu(), backend="torch")
     assert not out.requires_grad
     torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    """A dual q without autograd's grad mode takes the autograd.Function, which has no jvp and
+    says so, not the plain forward, which would lose the tangent silently."""
+    import torch.autograd.forward_ad as fwAD
+    q = torch.randn(1, 5, 5, 1, 8, device=DEVICE)
+    with fwAD.dual_level(), torch.no_grad(), pytest.raises(NotImplementedError, match="jvp"):
+        na2d(fwAD.make_dual(q, torch.randn_like(q)), q, q, kernel_size=3, backend="cuda")
 
 
 def test_the_stand_in_bias_pointer_is_never_read(bounds_checked):

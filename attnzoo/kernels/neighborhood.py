@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from torch.autograd import forward_ad
 
 from . import (Autotuner, KernelLimits, TuningStore, can_tune, device_info, eager, kernel_op,
                launch_on_device, tiling, tuning_scope, will_tune)
@@ -724,8 +725,9 @@ def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tup
         kernel_size, dilation = (1, *kernel_size), (1, *dilation)
     if eager(q):
         args = (tuple(kernel_size), tuple(dilation), float(scale))
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or rpb is not None and rpb.requires_grad):
+        if forward_ad._current_level >= 0 or torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad
+                or rpb is not None and rpb.requires_grad):  # (forward AD: the Function refuses)
             out = _NA.apply(q, k, v, rpb, *args, ints)
         else:  # nothing to save for a backward
             out = _forward(q, k, v, rpb, *args, _config(ints))[0]

@@ -151,9 +151,11 @@ def _round_to_tf32(x):
 def round_to(x, DTYPE: tl.constexpr):
     """fp32 ``x`` -> the nearest ``DTYPE`` value (ties to even, as torch's ``.to(dtype)``),
     still stored as fp32. bf16 by its bits: the interpreter's fp32 -> bf16 cast truncates."""
-    if DTYPE == tl.bfloat16:
+    if DTYPE == tl.bfloat16:  # (a NaN stays NaN: its bits could carry over to +0)
         bits = x.to(tl.uint32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32,
+                                                                         bitcast=True)
+        return tl.where(x == x, rounded, x)
     elif DTYPE == tl.float32:
         return x
     else:
