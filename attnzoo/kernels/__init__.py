@@ -33,7 +33,7 @@ first configuration without a GPU to time on, with ``ATTNZOO_AUTOTUNE=0``, or un
 
 **Determinism.** Every kernel is deterministic: no atomics; what several programs contribute to
 one value (the rpb and window-weight gradients) is written per program and summed afterwards
-by torch, in a fixed order. Two runs of a call with the same launch configuration are bitwise
+in a fixed order (NA's by more programs of a later launch, QnA's by torch). Two runs of a call with the same launch configuration are bitwise
 equal; under ``torch.use_deterministic_algorithms(True)`` the configuration is fixed too.
 
 **Verification.** The records of where each family's kernels passed their verification on a
