@@ -17,8 +17,8 @@ beside the torch reference of the same call on meta tensors (its ops' meta funct
 reference is one custom op, its fake on meta), and one ``F.scaled_dot_product_attention`` call
 on CPU tensors of ``[1, 1, 1, 8]`` (a fused op's host cost: one dispatch and one kernel), and
 a floor: NA's call reduced to its allocations in an ``autograd.Function``, on the same views
-(what that design costs before any of attnzoo's Python). A backward runs through 20 calls at once, as in a training step (the autograd engine's start is
-paid once per step). Targets (issue 46, warm key): forward <= 25 us, forward + backward <= 60
+(what that design costs before any of attnzoo's Python). A backward runs through 20 calls at
+once, as in a training step (the autograd engine's start is paid once per step). Targets (issue 46, warm key): forward <= 25 us, forward + backward <= 60
 us.
 
 ``--steps``: per training step (forward, ``logsumexp`` loss, backward; batch 32, 224 px, meta
@@ -314,9 +314,12 @@ def calls_table(rows: List[dict], argv: List[str]) -> str:
              "| call | pass | " + " | ".join(columns) + " | target |",
              "|---" * (len(columns) + 3) + "|"]
     for r in rows:
-        target = None if r["call"].startswith((SDPA, FLOOR)) else TARGET[r["passes"]]
-        if gpu and target is not None:
+        if r["call"].startswith((SDPA, FLOOR)):
+            target = None
+        elif gpu:  # on a GPU, only NA at 7x7 has one
             target = GPU_TARGET[r["passes"]] if r["call"].startswith("na2d nat") else None
+        else:
+            target = TARGET[r["passes"]]
         lines.append(f"| {r['call']} | {r['passes']} | " +
                      " | ".join(_f(r.get(c)) for c in columns) + f" | {_f(target)} |")
     return "\n".join(lines)

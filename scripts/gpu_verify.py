@@ -1287,7 +1287,6 @@ def worker_warm(stage: Stage) -> None:
     """Stage 6's compiles for one item, into Triton's (and Inductor's) cache: every autotune
     configuration of its launches compiled, none timed; FlexAttention's graphs, with and
     without rpb; a model's compiled graphs in one mode; or a first training step, timed."""
-    import timm
     import torch
 
     import attnzoo

@@ -610,9 +610,9 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
     delta, partial = scratch
     partial_rows = partial.numel() // (B * heads * n_rel)
     if need_kv_grad:  # after dq, which writes delta and the rpb tables
+        sums = heads * -(-n_rel // SUM_ENTRIES.value) if need_rpb_grad else 0  # their programs
 
         def run_dkdv(grid, config, args, warmup):
-            sums = heads * -(-n_rel // SUM_ENTRIES.value) if need_rpb_grad else 0
             return _run(_na_bwd_dkdv_kernel, (grid[0] + sums,), q, k, v, rpb_arg, do, lse,
                         delta, dk, dv, partial, drpb if need_rpb_grad else partial, *q.stride(),
                         *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),

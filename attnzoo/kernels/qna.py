@@ -25,7 +25,6 @@ Backward, recomputing the probabilities from the log-sum-exp
 from __future__ import annotations
 
 import functools
-
 from typing import List, Optional
 
 import torch
