@@ -18,15 +18,18 @@ reference is one custom op, its fake on meta), and one ``F.scaled_dot_product_at
 on CPU tensors of ``[1, 1, 1, 8]`` (a fused op's host cost: one dispatch and one kernel), and
 a floor: NA's call reduced to its allocations in an ``autograd.Function``, on the same views
 (what that design costs before any of attnzoo's Python). A backward runs through 20 calls at
-once, as in a training step (the autograd engine's start is paid once per step). Targets (issue 46, warm key): forward <= 25 us, forward + backward <= 60
-us.
+once, as in a training step (the autograd engine's start is paid once per step). Targets
+(issue 46, warm key): forward <= 25 us, forward + backward <= 60 us.
 
-``--steps``: per training step (forward, ``logsumexp`` loss, backward; batch 32, 224 px, meta
-tensors, launches captured) of each family's tiny model and of timm's swin_tiny: the ATen ops
-dispatched, the copies among them (``copy_``, ``_to_copy``, ``clone``, ``select_backward``,
-``stack``: what a GPU runs as copy kernels), the kernel launches captured and the host
-milliseconds of the step. Without CUDA, autocast is off: the bf16 casts a GPU step adds are not
-counted. Meta functions dominate these milliseconds (compare the op counts first).
+``--steps``: per training step (as timm's train.py: gradients set to None, forward,
+``logsumexp`` loss, backward; 224 px, launches captured) of each family's tiny model and of
+timm's swin_tiny, on meta tensors at batch 32: the ATen ops dispatched, the copies among them
+(``copy_``, ``_to_copy``, ``clone``, ``select_backward``, ``stack``: what a GPU runs as copy
+kernels), the kernel launches captured and the host milliseconds of the step, where torch's
+Python meta functions dominate (a LayerNorm's forward and backward take some 3 ms there); and
+the host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1 (``NARROW``:
+the same depths, heads, windows and ops, run by torch's C++ as on a GPU's host, their small CPU
+work included). Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
 
     python scripts/bench_host.py                       # the per-call table
     python scripts/bench_host.py --steps               # and the step table
@@ -191,7 +194,7 @@ def measure_calls(number: int, repeat: int) -> List[dict]:
     """The CPU's columns: launches captured (Triton's own launch excluded)."""
     rows = []
     meta, cpu = _calls("meta", 32), _calls("cpu", 1)
-    with kernels.capture_launches():
+    with kernels.capture_launches(arguments=False):
         for i, (label, make) in enumerate(meta.items()):
             print(f"[{i + 1}/{len(meta)}] {label}", file=sys.stderr, flush=True)
             for passes in ("fwd", "fwd+bwd"):
@@ -264,35 +267,66 @@ class _Count(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# The step on CPU tensors (C++ meta-free dispatch and allocation, as a GPU's host runs them):
+# each model at head dim 1 (2 for QnA-ViT: with an 8-channel stem, torch 2.14's CPU step
+# aborted in oneDNN's convolution weight gradient, heap corrupted), its depths, heads, windows
+# and 224 px kept, so that its ops are the same and their CPU work small.
+NARROW = {"nat_mini": dict(embed_dim=2), "nat_tiny": dict(embed_dim=2),
+          "dinat_mini": dict(embed_dim=2), "dinat_tiny": dict(embed_dim=2),
+          "qna_vit_tiny": dict(embed_dim=16), "swin_tiny_patch4_window7_224": dict(embed_dim=3)}
+
+
 def measure_steps(models, batch: int, repeat: int) -> List[dict]:
+    """Per model: ATen ops, copies and launches of a training step on meta tensors at
+    ``batch``, its host ms there, and (models in NARROW) on CPU tensors, narrowed, batch 1.
+    A step is a training step of timm's train.py: gradients set to None, forward, loss,
+    backward."""
     import timm
     rows = []
     for i, name in enumerate(models):
         print(f"[{i + 1}/{len(models)}] step of {name}", file=sys.stderr, flush=True)
         with torch.device("meta"):
             model = timm.create_model(name).train()
-        x = torch.empty(batch, 3, 224, 224, device="meta")
-
-        def step():
-            model(x).float().logsumexp(-1).mean().backward()
-
-        with attnzoo.use_backend("cuda"), kernels.capture_launches() as launches:
+        step = _step(model, torch.empty(batch, 3, 224, 224, device="meta"))
+        with attnzoo.use_backend("cuda"), \
+                kernels.capture_launches(arguments=False) as launches:
             step()
             launches.clear()
             with _Count() as counted:
                 step()
             launched = len(launches)
-            ms = min(_timed(step) for _ in range(repeat)) * 1e3
+            ms = _best_ms(step, launches, repeat)
+            narrow_ms = None
+            if name in NARROW:  # on one thread, as a GPU's host dispatches
+                narrow = timm.create_model(name, **NARROW[name]).train()
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    narrow_ms = _best_ms(_step(narrow, torch.randn(1, 3, 224, 224)),
+                                         launches, repeat)
+                finally:
+                    torch.set_num_threads(threads)
         ops = counted.ops
-        rows.append(dict(model=name, ops=sum(ops.values()),
-                         copies=sum(ops[c] for c in COPIES), launches=launched, ms=ms))
+        rows.append(dict(model=name, ops=sum(ops.values()), copies=sum(ops[c] for c in COPIES),
+                         launches=launched, ms=ms, narrow_ms=narrow_ms))
     return rows
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _step(model, x):
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).float().logsumexp(-1).mean().backward()
+    return step
+
+
+def _best_ms(step, launches: list, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat + 1):  # the first warms the call keys
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+        launches.clear()
+    return best * 1e3
 
 
 def _f(x) -> str:
@@ -327,16 +361,25 @@ def calls_table(rows: List[dict], argv: List[str]) -> str:
 
 def steps_table(rows: List[dict], batch: int) -> str:
     anchor = next((r for r in rows if r["model"].startswith("swin")), None)
-    lines = ["", f"Training step (forward, logsumexp loss, backward), batch {batch}, 224 px, "
-                 "meta tensors, launches captured, fp32 (no autocast without CUDA): ATen ops, "
-                 f"copies ({', '.join(COPIES)}), kernel launches, host ms; x: over "
-                 "swin_tiny's.", "",
-             "| model | ATen ops | copies | launches | host ms | ops x | host x |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["", f"Training step (gradients set to None, forward, logsumexp loss, backward), "
+                 "224 px, launches captured, fp32 (no autocast without CUDA). On meta tensors, "
+                 f"batch {batch}: ATen ops, copies ({', '.join(COPIES)}), kernel launches, host "
+                 "ms (torch's Python meta functions included); narrow: host ms on CPU tensors, "
+                 "batch 1, the model at head dim 1 (QnA-ViT 2) with its depths, heads and "
+                 "windows (the same ops in C++, an upper bound: their CPU work is included, "
+                 "Swin's window attention among it, NA's kernels not); x: over swin_tiny's.", "",
+             "| model | ATen ops | copies | launches | host ms, meta | host ms, narrow | ops x "
+             "| meta x | narrow x |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = (lambda k: f"{r[k] / anchor[k]:.2f}") if anchor else (lambda k: "-")
+        def ratio(key):
+            if not anchor or r[key] is None or anchor[key] is None:
+                return "-"
+            return f"{r[key] / anchor[key]:.2f}"
+        narrow = "-" if r["narrow_ms"] is None else f"{r['narrow_ms']:.1f}"
         lines.append(f"| {r['model']} | {r['ops']} | {r['copies']} | {r['launches']} | "
-                     f"{r['ms']:.0f} | {ratio('ops')} | {ratio('ms')} |")
+                     f"{r['ms']:.0f} | {narrow} | {ratio('ops')} | {ratio('ms')} | "
+                     f"{ratio('narrow_ms')} |")
     return "\n".join(lines)
 
 

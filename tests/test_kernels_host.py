@@ -104,4 +104,23 @@ def test_bench_host_runs_its_tables(capsys, monkeypatch):
                             "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "| na2d nat_tiny s3 7x7 h16 k7 rpb | fwd+bwd |" in out
-    assert "| nat_mini |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| nat_mini |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 9 and float(cells[4]) > 0 and float(cells[5]) > 0  # meta, narrow ms
+
+
+def test_launches_captured_without_arguments_keep_no_tensor():
+    """bench_host's capture: ``arguments=False`` records each launch's kernel and grid only,
+    keeping no tensor alive, as a launch on a GPU: the rpb's gradient is then autograd's own
+    (stolen into ``.grad``, not copied, as in a real training step)."""
+    q, k, v = (torch.empty(1, 6, 5, 2, 4, device="meta", requires_grad=True) for _ in range(3))
+    rpb = torch.nn.Parameter(torch.empty(2, 5, 5, device="meta"))
+    with kernels.capture_launches(arguments=False) as launches, _Ops() as seen:
+        kn.na_fused(q, k, v, (3, 3), (1, 1), rpb, 0.5).sum().backward()
+    assert [launch[0] for launch in launches] == [
+        kn._na_fwd_kernel, kn._na_bwd_dq_kernel, kn._na_bwd_dkdv_kernel]
+    assert all(launch[2:] == ((), {}) for launch in launches)
+    assert rpb.grad is not None and not [n for n in seen.names if "copy" in n], seen.names
+    with kernels.capture_launches() as launches:  # the default keeps them (compile_kernels.py)
+        kn.na_fused(q, k, v, (3, 3), (1, 1), rpb, 0.5)
+    assert launches[0][2][0] is q

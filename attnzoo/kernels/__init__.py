@@ -199,23 +199,27 @@ def _interpreted() -> bool:
     return INTERPRETED
 
 
-# the list capture_launches yields, while it is active
+# the list capture_launches yields, while it is active, and whether it keeps the arguments
 _captured: Optional[List[tuple]] = None
+_captured_args = True
 
 
 @contextlib.contextmanager
-def capture_launches() -> Iterator[List[tuple]]:
+def capture_launches(arguments: bool = True) -> Iterator[List[tuple]]:
     """Record the kernels' launches (every family's) instead of running them: within it, each
     one is appended as ``(kernel, grid, args, kwargs)`` to the list it yields, and the families'
     custom ops run their host code on plain meta tensors (:func:`capturing`).
     scripts/compile_kernels.py runs models and ops on meta tensors under it and compiles every
-    launch for sm80-sm90 without a GPU."""
-    global _captured
-    previous, _captured = _captured, []
+    launch for sm80-sm90 without a GPU. ``arguments=False`` records ``(kernel, grid, (), {})``
+    and keeps no tensor alive, as a launch on a GPU keeps none (scripts/bench_host.py: a kept
+    gradient would also be copied by autograd into its parameter's ``.grad``, not stolen)."""
+    global _captured, _captured_args
+    previous = _captured, _captured_args
+    _captured, _captured_args = [], arguments
     try:
         yield _captured
     finally:
-        _captured = previous
+        _captured, _captured_args = previous
 
 
 def capturing(*tensors: torch.Tensor) -> bool:
@@ -260,7 +264,8 @@ def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
     (:func:`capture_launches`).
     ``warmup``: compile only, and return the compiled kernel (the autotuner reads its spills)."""
     if _captured is not None:
-        _captured.append((kernel, grid, args, kwargs))
+        _captured.append((kernel, grid, args, kwargs) if _captured_args else
+                         (kernel, grid, (), {}))
         return None
     device = args[0].device
     guard = device.type == "cuda" and device.index != torch.cuda.current_device()

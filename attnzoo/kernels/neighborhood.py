@@ -269,10 +269,11 @@ def _na_bwd_dkdv_kernel(
 
 
 # the rpb gradient's reduction: table entries per program, and tables summed per step (a few
-# programs per head, appended to the dK/dV launch: each loads wide blocks, so that a long sum
-# takes few dependent steps)
+# programs per head, appended to the dK/dV launch: each loads blocks of many tables, so that a
+# long sum takes few dependent steps; 128 tables a step made ptxas spill 4-8 B in some
+# launches' dK/dV tiles, on every arch: scripts/compile_kernels.py)
 SUM_ENTRIES = tl.constexpr(16)
-SUM_ROWS = tl.constexpr(128)
+SUM_ROWS = tl.constexpr(32)
 
 
 @triton.jit
@@ -435,9 +436,10 @@ def _configs(kernel, spatial, kernel_size, dilation, head_dims, dtype, exact_fp3
     stages = STAGES
     # Where ptxas spills the 2-stage default and not the 1-stage one (scripts/compile_kernels.py),
     # the untuned default takes 1 stage (the autotuner tries both): the dK/dV kernel on sm86 /
-    # sm89 (8 B), and with Triton 3.6 the dQ kernel of 16-bit inputs on sm80 (4 B, 8x8 tiles).
+    # sm89 (8 B) and of fp32 inputs (Triton 3.8: 4 B on sm90 at K 11, dilated), and with
+    # Triton 3.6 the dQ kernel of 16-bit inputs on sm80 (4 B, 8x8 tiles).
     if shared_limit is not None and (
-            kernel == "dkdv" and shared_limit < SMALL_SHARED
+            kernel == "dkdv" and (shared_limit < SMALL_SHARED or dtype.itemsize == 4)
             or kernel == "dq" and dtype.itemsize == 2
             and SMALL_SHARED <= shared_limit < LARGE_SHARED):
         stages = STAGES[::-1]

@@ -197,7 +197,10 @@ def _qna_bwd_keys_kernel(
                 other=0.).to(tl.float32)
     dv = tl.zeros([TH * TW, BD], tl.float32)
     dz_total = tl.zeros([LP, TH * TW], tl.float32)
-    partial = tl.program_id(0).to(tl.int64) * L * K * K + q * K * K  # this program's tables
+    # this program's tables in [batch, tile, L, heads, K*K] (its tile: program_tile's, innermost):
+    # summed over batch and tile, they are the [L, heads, K, K] gradients, contiguous
+    n_tiles = tl.cdiv(H, TH) * tl.cdiv(W, TW)
+    partial = (b * n_tiles + tl.program_id(0) % n_tiles) * L * heads * K * K + table
     for t in range(0, K * K):
         ny = ky - t // K + (K - 1) // 2   # out * stride
         nx = kx - t % K + (K - 1) // 2
@@ -294,11 +297,15 @@ def _forward_outputs(logits, v, stride, sum_queries):
             v.new_empty((B, Ho, Wo, L, heads), dtype=torch.float32))
 
 
+def _input_gradients(logits, v):
+    return logits.new_empty(logits.shape), v.new_empty(v.shape)
+
+
 def _backward_outputs(logits, v, rpb):
     """The gradients of logits and v in their dtypes, and of the rpb and window weights
-    (``[L, heads, k, k]``) in float32, stacked: ``[2, L, heads, k, k]``."""
-    return (logits.new_empty(logits.shape), v.new_empty(v.shape),
-            v.new_empty((2,) + rpb.shape, dtype=torch.float32))
+    (``[L, heads, k, k]``) in float32, stacked: ``[2, L, heads, k, k]`` (as :func:`_backward`
+    sums them)."""
+    return (*_input_gradients(logits, v), v.new_empty((2,) + rpb.shape, dtype=torch.float32))
 
 
 def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
@@ -319,17 +326,14 @@ def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries):
     launch_on_device(_qna_bwd_delta_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"]), geo),
                      logits, v, rpb, ws, g, lse, delta, *logits.stride(), *v.stride(), *g_strides,
                      **geo)
-    dlogits, dv, tables = _backward_outputs(logits, v, rpb)
+    dlogits, dv = _input_gradients(logits, v)
     grid = _grid(B * heads, (geo["H"], geo["W"]), geo)
-    L, k = geo["L"], kernel_size
-    partial = torch.empty((2, grid[0], L, k, k), device=v.device, dtype=torch.float32)
+    # every program's rpb and window-weight tables (see _qna_bwd_keys_kernel), summed by torch
+    partial = v.new_empty((2, B, grid[0] // (B * heads)) + rpb.shape, dtype=torch.float32)
     launch_on_device(_qna_bwd_keys_kernel, grid, logits, v, rpb, ws, g, lse, delta, dlogits, dv,
                      partial[0], partial[1], *logits.stride(), *v.stride(), *g_strides,
                      *dlogits.stride(), *dv.stride(), **geo)
-    # each program's tables belong to its (batch, head): programs are batch-head major; summed
-    # into [2, L, heads, k, k] seen as [2, heads, L, k, k]
-    torch.sum(partial.view(2, B, heads, -1, L, k, k), (1, 3), out=tables.transpose(1, 2))
-    return dlogits, dv, tables
+    return dlogits, dv, partial.sum((1, 2))
 
 
 # The passes as custom ops (kernels.kernel_op), forward and backward.
@@ -357,7 +361,7 @@ def _grads(g, saved, args):
     """The gradients of logits, v, rpb and window weights from the forward's saved tensors."""
     backward = _backward if eager(g) else _qna_backward_op  # traced: the op
     dlogits, dv, tables = backward(g, *saved, *args)
-    return dlogits, dv, tables[0], tables[1]
+    return (dlogits, dv, *tables.unbind(0))
 
 
 def _autograd_backward(ctx, g, _):
