@@ -27,9 +27,9 @@ timm's swin_tiny, on meta tensors at batch 32: the ATen ops dispatched, the copi
 (``copy_``, ``_to_copy``, ``clone``, ``select_backward``, ``stack``: what a GPU runs as copy
 kernels), the kernel launches captured and the host milliseconds of the step, where torch's
 Python meta functions dominate (a LayerNorm's forward and backward take some 3 ms there); and
-the host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1 (``NARROW``:
-the same depths, heads, windows and ops, run by torch's C++ as on a GPU's host, their small CPU
-work included). Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
+the host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1 (QnA-ViT
+2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++ as on a GPU's host,
+their small CPU work included). Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
 
     python scripts/bench_host.py                       # the per-call table
     python scripts/bench_host.py --steps               # and the step table
@@ -234,8 +234,8 @@ def _per_call(make, backend, passes: str, number: int, repeat: int) -> float:
     backward as a training step runs them, CHAIN calls on inputs of their own and one backward
     through them all (the autograd engine's start, some 50 us on the CPU, and its Python
     checks of each output's gradient, ~4 us, are paid once per step, not per op: the engine is
-    run directly; no gradient is accumulated). Captured launches are dropped after each call,
-    as a GPU's launch keeps nothing (kept, their outputs would stay allocated)."""
+    run directly; no gradient is accumulated). Captured launches (their kernels and grids
+    only) are dropped after each call, so that the list does not grow."""
     launches = kernels._captured if kernels._captured is not None else []
     if passes == "fwd":
         run = make(False)
@@ -270,7 +270,8 @@ class _Count(torch.utils._python_dispatch.TorchDispatchMode):
 # The step on CPU tensors (C++ meta-free dispatch and allocation, as a GPU's host runs them):
 # each model at head dim 1 (2 for QnA-ViT: with an 8-channel stem, torch 2.14's CPU step
 # aborted in oneDNN's convolution weight gradient, heap corrupted), its depths, heads, windows
-# and 224 px kept, so that its ops are the same and their CPU work small.
+# and 224 px kept, so that its ops are the same and their CPU work small. SAN has no heads to
+# keep: its widths are tied to its share_planes and ratios (its ops are 0.44x swin_tiny's).
 NARROW = {"nat_mini": dict(embed_dim=2), "nat_tiny": dict(embed_dim=2),
           "dinat_mini": dict(embed_dim=2), "dinat_tiny": dict(embed_dim=2),
           "qna_vit_tiny": dict(embed_dim=16), "swin_tiny_patch4_window7_224": dict(embed_dim=3)}
@@ -296,20 +297,28 @@ def measure_steps(models, batch: int, repeat: int) -> List[dict]:
                 step()
             launched = len(launches)
             ms = _best_ms(step, launches, repeat)
-            narrow_ms = None
-            if name in NARROW:  # on one thread, as a GPU's host dispatches
-                narrow = timm.create_model(name, **NARROW[name]).train()
-                threads = torch.get_num_threads()
-                torch.set_num_threads(1)
-                try:
-                    narrow_ms = _best_ms(_step(narrow, torch.randn(1, 3, 224, 224)),
-                                         launches, repeat)
-                finally:
-                    torch.set_num_threads(threads)
+            # (a narrow step takes some 30 ms: ten of them, the best kept)
+            narrow_ms = _narrow_ms(name, launches, 10) if name in NARROW else None
         ops = counted.ops
         rows.append(dict(model=name, ops=sum(ops.values()), copies=sum(ops[c] for c in COPIES),
                          launches=launched, ms=ms, narrow_ms=narrow_ms))
     return rows
+
+
+def _narrow_ms(name: str, launches: list, repeat: int) -> float:
+    """Host ms of ``name``'s step narrowed (NARROW), batch 1, on CPU tensors and one thread,
+    as a GPU's host dispatches; denormals flushed (the captured kernels' outputs are left
+    uninitialised, and a denormal would slow the CPU's work on them)."""
+    import timm
+    model = timm.create_model(name, **NARROW[name]).train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    try:
+        return _best_ms(_step(model, torch.randn(1, 3, 224, 224)), launches, repeat)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)
 
 
 def _step(model, x):
@@ -366,8 +375,8 @@ def steps_table(rows: List[dict], batch: int) -> str:
                  f"batch {batch}: ATen ops, copies ({', '.join(COPIES)}), kernel launches, host "
                  "ms (torch's Python meta functions included); narrow: host ms on CPU tensors, "
                  "batch 1, the model at head dim 1 (QnA-ViT 2) with its depths, heads and "
-                 "windows (the same ops in C++, an upper bound: their CPU work is included, "
-                 "Swin's window attention among it, NA's kernels not); x: over swin_tiny's.", "",
+                 "windows (the same ops in C++, their CPU work included: Swin's window "
+                 "attention among it, attnzoo's kernels not); x: over swin_tiny's.", "",
              "| model | ATen ops | copies | launches | host ms, meta | host ms, narrow | ops x "
              "| meta x | narrow x |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -436,10 +436,11 @@ def _configs(kernel, spatial, kernel_size, dilation, head_dims, dtype, exact_fp3
     stages = STAGES
     # Where ptxas spills the 2-stage default and not the 1-stage one (scripts/compile_kernels.py),
     # the untuned default takes 1 stage (the autotuner tries both): the dK/dV kernel on sm86 /
-    # sm89 (8 B) and of fp32 inputs (Triton 3.8: 4 B on sm90 at K 11, dilated), and with
+    # sm89 (8 B) and on sm90 with fp32 inputs (Triton 3.8: 4 B at K 11, dilated), and with
     # Triton 3.6 the dQ kernel of 16-bit inputs on sm80 (4 B, 8x8 tiles).
     if shared_limit is not None and (
-            kernel == "dkdv" and (shared_limit < SMALL_SHARED or dtype.itemsize == 4)
+            kernel == "dkdv" and (shared_limit < SMALL_SHARED
+                                  or shared_limit >= LARGE_SHARED and dtype.itemsize == 4)
             or kernel == "dq" and dtype.itemsize == 2
             and SMALL_SHARED <= shared_limit < LARGE_SHARED):
         stages = STAGES[::-1]
