@@ -29,7 +29,8 @@ kernels), the kernel launches captured and the host milliseconds of the step, wh
 Python meta functions dominate (a LayerNorm's forward and backward take some 3 ms there); and
 the host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1 (QnA-ViT
 2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++ as on a GPU's host,
-their small CPU work included). Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
+their CPU work included: small, but for Swin's window attention, which does not narrow).
+Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
 
     python scripts/bench_host.py                       # the per-call table
     python scripts/bench_host.py --steps               # and the step table
