@@ -53,7 +53,7 @@ __all__ = [
     "registered_ops", "dispatch", "resolve", "available_backends", "supported_backends",
     "call_limits", "observe_ops", "record_calls", "RUNS_ON", "op_examples", "Case",
     "CheckResult", "TOLERANCE", "case_inputs", "op_cases", "case_support", "check_case",
-    "exact_fp32", "exporting",
+    "exact_fp32", "exporting", "tensors_key", "checked_once",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -474,6 +474,43 @@ def export_memo(key: tuple, like: torch.Tensor, make: Callable[..., Any], *args:
     if key not in memo:
         memo[key] = make(*args)
     return memo[key]
+
+
+# What the argument checks of warm calls returned, by the calls' metadata (checked_once).
+_CHECKED: Dict[tuple, Any] = {}
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def tensors_key(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
+    """Each tensor's ``(shape, dtype, device)`` (``None`` for ``None``): what an op's argument
+    checks decide a tensor by. ``None`` where one is not a plain tensor: no key, the checks run
+    (and say what is wrong); a traced tensor's sizes may be symbolic."""
+    key = []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) in _PLAIN_TENSORS:
+            key.append((t.shape, t.dtype, t.device))
+        else:
+            return None
+    return tuple(key)
+
+
+def checked_once(key: Optional[tuple], check: Callable[[], Any]) -> Any:
+    """``check()``: an op's argument checks, returning what the call derives from them (its
+    call key, normalised sizes), run once per ``key``, the call's metadata that they decide by
+    (the op's name, its options, :func:`tensors_key`), so that warm calls skip them (every
+    block of a model after its first step). ``key`` ``None``, or while torch.compile traces
+    (a global dict read and written there would be guarded and replayed): every time."""
+    if key is None or torch.compiler.is_compiling():
+        return check()
+    result = _CHECKED.get(key)
+    if result is None:
+        result = check()
+        if len(_CHECKED) >= 4096:  # (inputs of ever new sizes)
+            _CHECKED.clear()
+        _CHECKED[key] = result
+    return result
 
 
 def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:

@@ -16,8 +16,9 @@ autograd and forward + backward, microseconds per call, warm (the call key seen 
 beside the torch reference of the same call on meta tensors (its ops' meta functions; QnA's
 reference is one custom op, its fake on meta), and one ``F.scaled_dot_product_attention`` call
 on CPU tensors of ``[1, 1, 1, 8]`` (a fused op's host cost: one dispatch and one kernel), and
-a floor: NA's call reduced to its allocations in an ``autograd.Function``, on the same views
-(what that design costs before any of attnzoo's Python). A backward runs through 20 calls at
+a floor: NA's call reduced to its allocations in an ``autograd.Function``, on the same packed
+qkv (what that design costs before any of attnzoo's Python). NA is called as NAT's and DiNAT's
+layers call it, ``na2d_qkv`` on their qkv projection. A backward runs through 20 calls at
 once, as in a training step (the autograd engine's start is paid once per step). Targets
 (issue 46, warm key): forward <= 25 us, forward + backward <= 60 us.
 
@@ -55,7 +56,7 @@ if str(ROOT) not in sys.path:
 
 import attnzoo  # noqa: E402
 from attnzoo import backends, kernels  # noqa: E402
-from attnzoo.ops import na2d, qna2d, san_aggregation, san_subtraction2  # noqa: E402
+from attnzoo.ops import na2d_qkv, qna2d, san_aggregation, san_subtraction2  # noqa: E402
 
 TARGET = {"fwd": 25.0, "fwd+bwd": 60.0}
 GPU_TARGET = {"fwd": 50.0, "fwd+bwd": 300.0}  # NA at 7x7 on a GPU, whole (issue 46)
@@ -98,9 +99,9 @@ def _calls(device: str, batch: int) -> Dict[str, Callable[[bool], Callable[[str]
 
     def na(H, heads, dilation):
         def make(grad):
-            q, k, v = new(batch, H, H, 3, heads, 32, grad=grad).unbind(3)  # NAT's qkv views
+            qkv = new(batch, H, H, 3, heads, 32, grad=grad)  # NAT's qkv projection, packed
             rpb = new(heads, 13, 13, grad=grad, param=True)
-            return lambda b: na2d(q, k, v, kernel_size=7, dilation=dilation, rpb=rpb, backend=b)
+            return lambda b: na2d_qkv(qkv, kernel_size=7, dilation=dilation, rpb=rpb, backend=b)
         return make
 
     def qna(grad):
@@ -118,8 +119,8 @@ def _calls(device: str, batch: int) -> Dict[str, Callable[[bool], Callable[[str]
         return lambda b: san_subtraction2(x1, x2, kernel_size=7, backend=b)
 
     return {label: with_leaves(make) for label, make in (
-        ("na2d nat_tiny s3 7x7 h16 k7 rpb", na(7, 16, 1)),
-        ("na2d dinat_tiny s2 14x14 h8 k7 d2 rpb", na(14, 8, 2)),
+        ("na2d_qkv nat_tiny s3 7x7 h16 k7 rpb", na(7, 16, 1)),
+        ("na2d_qkv dinat_tiny s2 14x14 h8 k7 d2 rpb", na(14, 8, 2)),
         ("qna2d qna_vit_tiny s2 14x14 h32 k3", qna),
         ("san_aggregation san10 s3 14x14 k7", aggregation),
         ("san_subtraction2 san10 s3 14x14 k7", subtraction))}
@@ -157,35 +158,33 @@ def _sdpa(device: str):
 
 
 SDPA = "F.scaled_dot_product_attention [1, 1, 1, 8]"
-FLOOR = "floor: na2d's allocations in an autograd.Function"
+FLOOR = "floor: na2d_qkv's allocations in an autograd.Function"
 
 
 class _Allocations(torch.autograd.Function):
-    """NA's call with nothing but its allocations: o and lse, then dq, dk, dv, the rpb's
-    gradient and the scratch (the floor of an eager ``autograd.Function`` design)."""
+    """NA's packed call with nothing but its allocations: o and lse, then the qkv gradient,
+    the rpb's and the scratch (the floor of an eager ``autograd.Function`` design)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rpb):
-        B, H, W, heads, d = q.shape
-        lse = q.new_empty((B, heads, H, W), dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, rpb, lse)
-        return q.new_empty((B, H, W, heads, d))
+    def forward(ctx, qkv, rpb):
+        B, H, W, _, heads, d = qkv.shape
+        lse = qkv.new_empty((B, heads, H, W), dtype=torch.float32)
+        ctx.save_for_backward(qkv, rpb, lse)
+        return qkv.new_empty((B, H, W, heads, d))
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, rpb, lse = ctx.saved_tensors
+        qkv, rpb, lse = ctx.saved_tensors
         lse.new_empty(lse.numel() * 2)
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), \
-            rpb.new_empty(rpb.shape)
+        return qkv.new_empty(qkv.shape), rpb.new_empty(rpb.shape)
 
 
 def _floor(make):
-    """``make``'s NA call (q, k, v views of one qkv leaf, and an rpb; with gradients) through
+    """``make``'s NA call (one qkv leaf and an rpb; with gradients) through
     :class:`_Allocations`."""
     def made(grad):
         qkv, rpb = make(grad).leaves
-        q, k, v = qkv.unbind(3)
-        run = lambda _: _Allocations.apply(q, k, v, rpb)  # noqa: E731
+        run = lambda _: _Allocations.apply(qkv, rpb)  # noqa: E731
         run.leaves = [qkv, rpb]
         return run
     return made
@@ -361,7 +360,7 @@ def calls_table(rows: List[dict], argv: List[str]) -> str:
         if r["call"].startswith((SDPA, FLOOR)):
             target = None
         elif gpu:  # on a GPU, only NA at 7x7 has one
-            target = GPU_TARGET[r["passes"]] if r["call"].startswith("na2d nat") else None
+            target = GPU_TARGET[r["passes"]] if r["call"].startswith("na2d_qkv nat") else None
         else:
             target = TARGET[r["passes"]]
         lines.append(f"| {r['call']} | {r['passes']} | " +

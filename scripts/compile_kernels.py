@@ -118,10 +118,14 @@ def _stage(q, v, kernel_size, dilation, has_rpb) -> str:
 def model_calls(name: str, dtype: torch.dtype, batch: int = 2) -> List[Call]:
     """Run model ``name`` forward and backward on meta tensors with its NA layers on the
     kernels (launches captured, not run); return its NA calls."""
-    def on_kernels(q, k, v, kernel_size, dilation, rpb, scale, backend):
-        return kn.na_fused(q, k, v, (kernel_size,) * 2, (dilation,) * 2, rpb, scale)
+    def on_kernels(q, k, v, kernel_size, dilation, rpb, scale, backend, qkv=None):
+        return kn.na_fused(q, k, v, (kernel_size,) * 2, (dilation,) * 2, rpb, scale, qkv=qkv)
 
-    real, na_layer.na2d_dispatch = na_layer.na2d_dispatch, on_kernels
+    def packed_on_kernels(qkv, *args):
+        return on_kernels(*qkv.unbind(3), *args, qkv=qkv)
+
+    real = na_layer.na2d_dispatch, na_layer.na2d_qkv_dispatch
+    na_layer.na2d_dispatch, na_layer.na2d_qkv_dispatch = on_kernels, packed_on_kernels
     try:
         with torch.device("meta"):
             model = timm.create_model(name).to(dtype)
@@ -129,7 +133,7 @@ def model_calls(name: str, dtype: torch.dtype, batch: int = 2) -> List[Call]:
         with kernels.capture_launches() as launches:
             model(torch.empty((batch,) + tuple(size), device="meta", dtype=dtype)).sum().backward()
     finally:
-        na_layer.na2d_dispatch = real
+        na_layer.na2d_dispatch, na_layer.na2d_qkv_dispatch = real
     forward = [(args, kw) for fn, _, args, kw in launches if KERNELS[fn.__name__] == "fwd"]
     # autograd runs the layers' backward last to first; dQ's launch holds the output gradient
     grads = [args[5] for fn, _, args, kw in reversed(launches) if KERNELS[fn.__name__] == "dq"]

@@ -42,13 +42,15 @@ def model_layers(name: str) -> List[Layer]:
         layers.append((tuple(q.shape[1:3]), kernel_size, dilation, q.shape[3], q.shape[4]))
         return torch.empty_like(v)
 
-    real, na_layer.na2d_dispatch = na_layer.na2d_dispatch, record
+    real = na_layer.na2d_dispatch, na_layer.na2d_qkv_dispatch
+    na_layer.na2d_dispatch = record
+    na_layer.na2d_qkv_dispatch = lambda qkv, *args: record(*qkv.unbind(3), *args)
     try:
         with torch.device("meta"):
             model = timm.create_model(name)
             model(torch.empty((1,) + tuple(model.pretrained_cfg["input_size"])))
     finally:
-        na_layer.na2d_dispatch = real
+        na_layer.na2d_dispatch, na_layer.na2d_qkv_dispatch = real
     return layers
 
 

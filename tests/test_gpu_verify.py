@@ -74,7 +74,7 @@ def test_the_dry_run_exercises_every_stage_and_writes_the_whole_result(tmp_path)
     assert set(bench["warm"]["items"].values()) == {0}
     assert len(bench["na"]) == 6 and bench["na_status"] == "passed"
     assert bench["host"]["status"] == "passed" and {r["call"].split()[0] for r in bench[
-        "host"]["rows"]} == {"na2d", "qna2d", "san_aggregation", "san_subtraction2",
+        "host"]["rows"]} == {"na2d_qkv", "qna2d", "san_aggregation", "san_subtraction2",
                             "F.scaled_dot_product_attention", "floor:"}
     # every mode and kind of each model (on a GPU: every family's tiny model), eager first
     assert [(r["model"], r["mode"], r["kind"]) for r in bench["models"]] == [

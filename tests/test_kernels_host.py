@@ -103,7 +103,7 @@ def test_bench_host_runs_its_tables(capsys, monkeypatch):
     assert bench_host.main(["--number", "4", "--repeat", "1", "--steps", "--models", "nat_mini",
                             "--batch", "1"]) == 0
     out = capsys.readouterr().out
-    assert "| na2d nat_tiny s3 7x7 h16 k7 rpb | fwd+bwd |" in out
+    assert "| na2d_qkv nat_tiny s3 7x7 h16 k7 rpb | fwd+bwd |" in out
     row = next(line for line in out.splitlines() if line.startswith("| nat_mini |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == 9 and float(cells[4]) > 0 and float(cells[5]) > 0  # meta, narrow ms

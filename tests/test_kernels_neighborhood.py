@@ -40,7 +40,7 @@ if kernels.triton_missing():  # an optional dependency, like NATTEN; its reason 
 from attnzoo.kernels import neighborhood as kn  # noqa: E402
 from attnzoo.kernels import tiling  # noqa: E402
 from attnzoo.kernels.tiling import Tiling  # noqa: E402
-from attnzoo.ops import na1d, na2d  # noqa: E402
+from attnzoo.ops import na1d, na1d_qkv, na2d, na2d_qkv  # noqa: E402
 from attnzoo.ops import neighborhood as nbh  # noqa: E402
 import model_checks  # noqa: E402
 from kernel_checks import (  # noqa: E402
@@ -242,6 +242,63 @@ def test_noncontiguous_inputs_and_partial_grads(monkeypatch):
     torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=1e-5, rtol=1e-5)
     (dq_ref,) = torch.autograd.grad(ref.square().sum(), [q64])
     torch.testing.assert_close(dq.double().cpu(), dq_ref, atol=1e-5, rtol=1e-5)
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape,kernel,dilation", [
+    ((2, 9, 10, 3, 2, 8), 3, (2, 1)),
+    ((1, 40, 3, 2, 8), 5, 3),
+], ids=["2d", "1d"])
+def test_packed_qkv_gradient_is_written_whole(shape, kernel, dilation):
+    """na{n}d_qkv on the kernels: the output and the gradients of qkv and rpb are the float64
+    reference's on qkv.unbind(-3), and the backward writes q's, k's and v's gradients into one
+    tensor of qkv's shape: no stack (unbind's backward), no copy."""
+    n = len(shape) - 4
+    ks = (kernel,) * n
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(shape, generator=g).to(DEVICE).requires_grad_()
+    rpb = torch.randn(shape[-2], *(2 * K - 1 for K in ks), generator=g).to(DEVICE)
+    rpb.requires_grad_()
+    op = na2d_qkv if n == 2 else na1d_qkv
+    call = lambda: op(qkv, kernel_size=kernel, dilation=dilation, rpb=rpb,  # noqa: E731
+                      backend="cuda")
+    with kernels.capture_launches(arguments=False):  # (the interpreter's own copies left out)
+        loss = call().sum()
+        with _Copies() as seen:
+            loss.backward()
+    assert seen.ops and not {"stack", "copy_", "clone", "cat"} & set(seen.ops), seen.ops
+    qkv.grad = rpb.grad = None
+    out = call()
+    grads = weighted_grads(out, [qkv, rpb], torch.float32)
+    assert grads[0].shape == qkv.shape and grads[0].is_contiguous()
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (qkv, rpb)]
+    ref = nbh.na_reference(*ref_in[0].unbind(-3), ks, (dilation,) * n if n == 1 else dilation,
+                           ref_in[1], shape[-1] ** -0.5)
+    ref_grads = weighted_grads(ref, ref_in, torch.float32)
+    assert_matches_reference(out, grads, ref, ref_grads, torch.float32, *TOL[torch.float32],
+                             names="qr", relative="r")
+
+
+def test_packed_qkv_frozen_gives_the_bias_its_gradient():
+    """qkv without gradient, the rpb with: its gradient only, the reference's."""
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(1, 9, 9, 3, 2, 8, generator=g).to(DEVICE)
+    rpb = torch.randn(2, 5, 5, generator=g).to(DEVICE).requires_grad_()
+    out = na2d_qkv(qkv, kernel_size=3, rpb=rpb, backend="cuda")
+    (got,) = weighted_grads(out, [rpb], torch.float32)
+    rpb64 = rpb.detach().double().cpu().requires_grad_()
+    ref = nbh.na_reference(*qkv.double().cpu().unbind(3), (3, 3), (1, 1), rpb64, 8 ** -0.5)
+    (exp,) = weighted_grads(ref, [rpb64], torch.float32)
+    torch.testing.assert_close(got.double().cpu(), exp, atol=1e-5, rtol=1e-5)
 
 
 def test_inference_under_no_grad():

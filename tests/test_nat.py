@@ -233,7 +233,7 @@ def test_torchscript_and_fx():
     fx = check_torchscript_and_fx(tiny_models.nat(), torch.randn(1, 3, 40, 56))
     # FX leaves: the shape-dependent helpers are calls in the graph, not traced through
     names = leaf_calls(fx)
-    assert any('na2d_dispatch' in n for n in names)
+    assert any('na2d_qkv_dispatch' in n for n in names)
     assert any('pad_to_window' in n for n in names)
 
 

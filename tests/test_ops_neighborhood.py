@@ -23,7 +23,7 @@ import torch
 import attnzoo
 from attnzoo import backends
 from attnzoo.backends import BackendUnsupportedError
-from attnzoo.ops import na1d, na2d
+from attnzoo.ops import na1d, na1d_qkv, na2d, na2d_qkv
 from attnzoo.ops import neighborhood as nbh
 from na_inputs import grads_of, make_inputs
 from oracles import na_window, neighborhood_attention
@@ -427,6 +427,64 @@ def test_shape_and_argument_errors():
             na2d(q, k, v, kernel_size=bad)
     with pytest.raises(TypeError, match="dilation"):
         na2d(q, k, v, kernel_size=3, dilation=1.5)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_packed_qkv_is_na_of_its_three_views(n):
+    """na{n}d_qkv(qkv) on the torch backend: the brute-force formula on qkv.unbind(-3), forward
+    and the gradients of qkv (the three views' in one tensor) and rpb."""
+    g = torch.Generator().manual_seed(3)
+    spatial, ks = ((9, 11), (3, 5)) if n == 2 else ((17,), (5,))
+    qkv = torch.randn(2, *spatial, 3, 2, 8, generator=g, dtype=torch.float64,
+                      requires_grad=True)
+    rpb = torch.randn(2, *(2 * K - 1 for K in ks), generator=g, dtype=torch.float64,
+                      requires_grad=True)
+    op = na2d_qkv if n == 2 else na1d_qkv
+    out = op(qkv, kernel_size=ks, dilation=2 if n == 1 else (2, 1), rpb=rpb, scale=0.4,
+             backend="torch")
+    expected = neighborhood_attention(*qkv.unbind(-3), ks, 2 if n == 1 else (2, 1), rpb, 0.4)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for got, exp in zip(grads_of(out, [qkv, rpb]), grads_of(expected, [qkv, rpb])):
+        torch.testing.assert_close(got, exp, rtol=1e-9, atol=1e-10)
+
+
+def test_packed_qkv_errors_name_the_argument():
+    qkv = torch.randn(1, 9, 9, 3, 2, 8)
+    with pytest.raises(ValueError, match=r"na2d_qkv: qkv must be 6-D \[B, H, W, 3, heads"):
+        na2d_qkv(qkv[:, :, :, :2], kernel_size=3)
+    with pytest.raises(ValueError, match=r"na1d_qkv: qkv must be 5-D \[B, L, 3, heads"):
+        na1d_qkv(qkv, kernel_size=3)
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
+        na2d_qkv(qkv.numpy(), kernel_size=3)
+    with pytest.raises(TypeError, match="na2d_qkv: qkv must be a floating-point"):
+        na2d_qkv(qkv.long(), kernel_size=3)
+    with pytest.raises(ValueError, match="kernel_size.*dilation"):
+        na2d_qkv(qkv, kernel_size=5, dilation=2)
+
+
+def test_a_warm_call_skips_the_checks_that_its_metadata_passed(monkeypatch):
+    """The checks run once per call metadata; a call differing in anything they decide by (a
+    bias's shape, a bool window, which equals an int) is checked again and refused."""
+    checks = []
+    check = nbh._check_call
+    monkeypatch.setattr(nbh, "_check_call", lambda *a: checks.append(a) or check(*a))
+    monkeypatch.setattr(backends, "_CHECKED", {})
+    q, k, v = _f32()
+    rpb = torch.randn(q.shape[-2], 5, 5)
+    for _ in range(3):
+        na2d(q, k, v, kernel_size=3, rpb=rpb)
+        na2d(q, k, v, kernel_size=1, rpb=rpb[:, 2:3, 2:3])
+    assert len(checks) == 2
+    with pytest.raises(ValueError, match="rpb must have shape"):
+        na2d(q, k, v, kernel_size=3, rpb=rpb[:, :3])
+    with pytest.raises(TypeError, match="kernel_size"):
+        na2d(q, k, v, kernel_size=True, rpb=rpb[:, 2:3, 2:3])
+    with pytest.raises(TypeError, match="kernel_size"):
+        na2d(q, k, v, kernel_size=(True, 1), rpb=rpb[:, 2:3, 2:3])
+    with pytest.raises(TypeError, match="scale"):
+        na2d(q, k, v, kernel_size=3, rpb=rpb, scale=True)
+    with pytest.raises(ValueError, match="dtype"):
+        na2d(q, k.double(), v, kernel_size=3, rpb=rpb)
 
 
 def test_rpb_errors():

@@ -242,10 +242,29 @@ def test_argument_errors():
         (dict(sum_queries=1), TypeError, 'sum_queries must be a bool'),
         (dict(backend='tpu'), ValueError, "unknown backend 'tpu'"),
     ]
+    qna2d(logits, v, kernel_size=3, rpb=rpb, window_weights=ws)  # warm: the checks still run
     for change, error, message in cases:
         kwargs = {**dict(logits=logits, v=v, kernel_size=3, rpb=rpb, window_weights=ws), **change}
         with pytest.raises(error, match=message):
             qna2d(kwargs.pop('logits'), kwargs.pop('v'), **kwargs)
+
+
+def test_a_warm_call_skips_the_checks_that_its_metadata_passed(monkeypatch):
+    """The checks run once per call metadata; bools, equal to the ints they stand for, are
+    still refused after the ints passed."""
+    checks = []
+    check = qna_module._check_call
+    monkeypatch.setattr(qna_module, "_check_call", lambda *a: checks.append(a) or check(*a))
+    monkeypatch.setattr(backends, "_CHECKED", {})
+    logits, v, _, _ = _inputs(1, 5, 6, 2, 2, 3, 1, dtype=torch.float32)
+    for _ in range(3):
+        qna2d(logits, v, kernel_size=1, stride=1, sum_queries=True)
+    assert len(checks) == 1
+    for change, message in ((dict(kernel_size=True), "kernel_size must be an int"),
+                            (dict(stride=True), "stride must be an int"),
+                            (dict(sum_queries=1), "sum_queries must be a bool")):
+        with pytest.raises(TypeError, match=message):
+            qna2d(logits, v, **{**dict(kernel_size=1, stride=1, sum_queries=True), **change})
 
 
 def test_meta_tensors_give_shapes():

@@ -570,13 +570,16 @@ def _forward_outputs(q, v):
             q.new_empty((B, heads, H, W), dtype=torch.float32))
 
 
-def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool):
+def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool, dqkv=None):
     """dq, dk, dv and the rpb gradient in their inputs' dtypes (the rpb's summed in float32);
-    an empty tensor stands for a gradient not computed (a custom op returns no None)."""
+    an empty tensor stands for a gradient not computed (a custom op returns no None).
+    ``dqkv``: the packed input's gradient (:class:`_NAPacked`), whose views dq, dk, dv are."""
+    drpb = q.new_empty(rpb.shape if rpb_grad else 0,
+                       dtype=rpb.dtype if rpb_grad else torch.float32)
+    if dqkv is not None:
+        return (*dqkv.unbind(3), drpb)
     return (q.new_empty(q.shape), k.new_empty(k.shape if kv_grad else 0),
-            v.new_empty(v.shape if kv_grad else 0),
-            q.new_empty(rpb.shape if rpb_grad else 0,
-                        dtype=rpb.dtype if rpb_grad else torch.float32))
+            v.new_empty(v.shape if kv_grad else 0), drpb)
 
 
 def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
@@ -590,10 +593,10 @@ def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
 
 
 def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_grad,
-              need_kv_grad, config=None):
+              need_kv_grad, config=None, dqkv=None):
     KH, KW = kernel_size
     B, heads = q.shape[0], q.shape[3]
-    dq, dk, dv, drpb = _backward_outputs(q, k, v, rpb, need_rpb_grad, need_kv_grad)
+    dq, dk, dv, drpb = _backward_outputs(q, k, v, rpb, need_rpb_grad, need_kv_grad, dqkv)
     n_rel = (2 * KH - 1) * (2 * KW - 1)
     rpb_arg = q if rpb is None else rpb  # a stand-in pointer, never read (HAS_RPB=False)
     # delta (rowsum(dO * O), laid out as lse: the kernels index both flat), then one
@@ -710,20 +713,48 @@ class _NA(torch.autograd.Function):
             None,) * 4
 
 
+class _NAPacked(torch.autograd.Function):
+    """:class:`_NA` on q, k and v packed in one input ``[B, H, W, 3, heads, d]`` (``na2d_qkv``),
+    whose gradient is one allocation that dq, dk and dv are written into: three inputs'
+    gradients would be copied into one by ``unbind``'s backward."""
+
+    @staticmethod
+    def forward(ctx, qkv, rpb, kernel_size, dilation, scale, config):
+        q, k, v = qkv.unbind(3)
+        o, lse = _forward(q, k, v, rpb, kernel_size, dilation, scale, _config(config))
+        ctx.save_for_backward(qkv, rpb, o, lse)
+        # (the views kept for the backward: qkv, saved, guards them against in-place changes)
+        ctx.views, ctx.args, ctx.config = (q, k, v), (kernel_size, dilation, scale), config
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        qkv, rpb, o, lse = ctx.saved_tensors
+        grad_qkv, grad_rpb = ctx.needs_input_grad[:2]
+        dqkv = qkv.new_empty(qkv.shape) if grad_qkv else None
+        rpb_grad = rpb is not None and grad_rpb
+        _, _, _, drpb = _backward(do, *ctx.views, rpb, o, lse, *ctx.args, rpb_grad, grad_qkv,
+                                  _config(ctx.config), dqkv)
+        return dqkv, drpb if rpb_grad else None, None, None, None, None
+
+
 def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
              dilation: Tuple[int, ...], rpb: Optional[torch.Tensor], scale: float,
-             config: Optional[Config] = None) -> torch.Tensor:
+             config: Optional[Config] = None, qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ``cuda`` backend of ``na1d`` / ``na2d``: arguments as
     :func:`attnzoo.ops.neighborhood.na_reference` (already validated); ``config`` a
     :class:`Config` forcing every kernel's, or ``None`` (the autotuner's choice among
     :func:`configs`). The bias is rounded to q's dtype, as the reference casts it, by the
-    kernels (no cast here; its gradient comes back in its own dtype)."""
+    kernels (no cast here; its gradient comes back in its own dtype). ``qkv``: the packed
+    tensor whose ``unbind(-3)`` q, k and v are (``na2d_qkv``): an eager call that needs
+    gradients then takes it as its one input (:class:`_NAPacked`)."""
     if rpb is not None:
         rpb = rpb.contiguous()
     ints = [] if config is None else [*config.tiling, config.num_warps, config.num_stages]
     one_d = len(kernel_size) == 1  # 1-D is 2-D with H = 1
     if one_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        qkv = None if qkv is None else qkv.unsqueeze(1)
         rpb = None if rpb is None else rpb.unsqueeze(1)
         kernel_size, dilation = (1, *kernel_size), (1, *dilation)
     if eager(q):
@@ -731,7 +762,8 @@ def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tup
         if forward_ad._current_level >= 0 or torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad
                 or rpb is not None and rpb.requires_grad):  # (forward AD: the Function refuses)
-            out = _NA.apply(q, k, v, rpb, *args, ints)
+            out = (_NA.apply(q, k, v, rpb, *args, ints) if qkv is None else
+                   _NAPacked.apply(qkv, rpb, *args, ints))
         else:  # nothing to save for a backward
             out = _forward(q, k, v, rpb, *args, _config(ints))[0]
     else:

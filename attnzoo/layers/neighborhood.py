@@ -11,11 +11,12 @@ zero-pads its (already normalised) input right/bottom up to ``kernel_size * dila
 and crops back before ``proj``. Official weights thus give official outputs at any input size.
 While exporting, the padding is one zero token that the padded keys read (``export_forward``).
 
-Backend dispatch happens in plain module-level functions: :func:`na2d_dispatch` is
-``@torch.jit.ignore`` (scripted models call it as Python, so the context-variable backend switch
-keeps working) and both helpers are registered with timm as FX leaves (``torch.fx`` does not
-trace their shape-dependent control flow). Their names must not start with ``_``: torch.fx's
-autowrap skips private globals.
+Backend dispatch happens in plain module-level functions: :func:`na2d_qkv_dispatch` and
+:func:`na2d_dispatch` (QUEST, whose normalised keys are a tensor of their own) are
+``@torch.jit.ignore`` (scripted models call them as Python, so the context-variable backend
+switch keeps working) and the helpers are registered with timm as FX leaves (``torch.fx`` does
+not trace their shape-dependent control flow). Their names must not start with ``_``:
+torch.fx's autowrap skips private globals.
 """
 from typing import Optional, Tuple
 
@@ -26,7 +27,7 @@ from timm.layers import trunc_normal_
 from timm.models import register_notrace_function
 
 from .. import backends
-from ..ops import na2d, na2d_qk, na_window_positions
+from ..ops import na2d, na2d_qk, na2d_qkv, na_window_positions
 from ..ops.neighborhood import na_export_rows
 from .attention_map import AttentionMap
 from .quest import check_attn_norm, l2_normalize
@@ -60,6 +61,21 @@ def na2d_dispatch(
     # Kept out of TorchScript: backend resolution reads thread-local state, env vars and caches.
     return na2d(q, k, v, kernel_size=kernel_size, dilation=dilation, rpb=rpb, scale=scale,
                 backend=backend)
+
+
+@register_notrace_function
+@torch.jit.ignore
+def na2d_qkv_dispatch(
+        qkv: torch.Tensor,
+        kernel_size: int,
+        dilation: int,
+        rpb: Optional[torch.Tensor],
+        scale: float,
+        backend: Optional[str],
+) -> torch.Tensor:
+    # q, k and v packed: the cuda backend returns their gradient as one tensor, not a stack
+    return na2d_qkv(qkv, kernel_size=kernel_size, dilation=dilation, rpb=rpb, scale=scale,
+                    backend=backend)
 
 
 class NeighborhoodAttention2d(nn.Module):
@@ -146,15 +162,18 @@ class NeighborhoodAttention2d(nn.Module):
                 f"dilation={self.dilation}, rel_pos_bias={self.rpb is not None}, "
                 f"attn_norm={self.attn_norm!r}, backend={self.backend!r}")
 
+    def packed_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The qkv projection of the (padded) input as ``[B, H, W, 3, heads, head_dim]``."""
+        # reshape by x's sizes, not unflatten: the TorchScript ONNX exporter bakes unflatten's in
+        return self.qkv(x).reshape(x.shape[0], x.shape[1], x.shape[2], 3, self.num_heads,
+                                   self.head_dim)
+
     def heads_qkv(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[B, H, W, heads, head_dim]`` of the (padded) input, k as the formulation
         uses it (unit-norm for QUEST)."""
-        # reshape by x's sizes, not unflatten: the TorchScript ONNX exporter bakes unflatten's in
-        qkv = self.qkv(x).reshape(x.shape[0], x.shape[1], x.shape[2], 3, self.num_heads,
-                                  self.head_dim)
         # strided views of the one projection, which every backend takes as they are; their
         # gradients come back as one stack (select's would be three zero-filled copies, summed)
-        q, k, v = qkv.unbind(3)
+        q, k, v = self.packed_qkv(x).unbind(3)
         if self.attn_norm == "quest":
             k = l2_normalize(k)
         return q, k, v
@@ -206,9 +225,13 @@ class NeighborhoodAttention2d(nn.Module):
                 return self.export_forward(x)
         H, W = x.shape[1], x.shape[2]
         x = pad_to_window(x, self.window)
-        q, k, v = self.heads_qkv(x)
-        x = na2d_dispatch(q, k, v, self.kernel_size, self.dilation, self.rpb, self.scale,
-                           self.backend)
+        if self.attn_norm == "quest":
+            q, k, v = self.heads_qkv(x)
+            x = na2d_dispatch(q, k, v, self.kernel_size, self.dilation, self.rpb, self.scale,
+                               self.backend)
+        else:
+            x = na2d_qkv_dispatch(self.packed_qkv(x), self.kernel_size, self.dilation, self.rpb,
+                                  self.scale, self.backend)
         x = x.flatten(-2)[:, :H, :W]
         x = self.proj(x)
         x = self.proj_drop(x)

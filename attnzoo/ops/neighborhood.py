@@ -465,9 +465,10 @@ def _na_autograd(ctx, grad):
 _na_op.register_autograd(_na_autograd, setup_context=_na_setup)
 
 
-def _na_torch(q, k, v, kernel_size, dilation, rpb, scale):
+def _na_torch(q, k, v, kernel_size, dilation, rpb, scale, qkv=None):
     """The torch backend: the reference, traced by torch.compile for inference (Inductor fuses
-    it), one custom op each way when a compiled call needs gradients."""
+    it), one custom op each way when a compiled call needs gradients. (``qkv``: the packed input
+    of :func:`na2d_qkv`, whose views q, k and v are; every backend but ``cuda`` takes the views.)"""
     if torch.compiler.is_compiling() and torch.is_grad_enabled():
         for size in q.shape[1:1 + len(kernel_size)]:  # the map size specializes, as traced
             static_size(size)
@@ -606,7 +607,7 @@ def na_export_rows(qkv: torch.Tensor, spatial, kernel_size: Tuple[int, ...],
 
 def na_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
               dilation: Tuple[int, ...], rpb: Optional[torch.Tensor],
-              scale: float) -> torch.Tensor:
+              scale: float, qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
     """NA as an export graph, one per axis count whatever the input size and kernel: each
     axis's window indices are computed from the input's shape and combined into one index of
     every query's ``K**n`` keys in the flattened map (:func:`_na_rows`, once per size and
@@ -700,7 +701,7 @@ def _natten_support(call: NACall) -> Optional[str]:
     return None
 
 
-def _na_natten(q, k, v, kernel_size, dilation, rpb, scale):
+def _na_natten(q, k, v, kernel_size, dilation, rpb, scale, qkv=None):
     module, api = _natten()
     n = len(kernel_size)
     ks = kernel_size if n > 1 else kernel_size[0]
@@ -745,9 +746,9 @@ def _cuda_limits(call: NACall) -> Optional[str]:
                                          call.kernel_size)) or None
 
 
-def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale):
+def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale, qkv=None):
     from ..kernels.neighborhood import na_fused
-    return na_fused(q, k, v, kernel_size, dilation, rpb, scale)
+    return na_fused(q, k, v, kernel_size, dilation, rpb, scale, qkv=qkv)
 
 
 def _kernels_trusted(call: NACall) -> Optional[str]:
@@ -758,7 +759,7 @@ def _kernels_trusted(call: NACall) -> Optional[str]:
                               "the cuda NA kernels")
 
 
-def _na_macs(q, k, v, kernel_size, dilation, rpb, scale) -> int:
+def _na_macs(q, k, v, kernel_size, dilation, rpb, scale, qkv=None) -> int:
     """QK and AV, ``B * heads * tokens * head_dim * kernel_area`` each (fvcore's convention)."""
     return q.shape[:-1].numel() * (q.shape[-1] + v.shape[-1]) * math.prod(kernel_size)
 
@@ -840,14 +841,46 @@ backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear,
 # public ops
 # --------------------------------------------------------------------------------------------
 
-def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend):
-    ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n)
+def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
+    """:func:`_check_call` once per call metadata (:func:`attnzoo.backends.checked_once`);
+    returns (kernel_size, dilation, the call's keys without and with gradients). Int windows
+    only: a tuple may hold a bool, which equals an int."""
+    def check():
+        ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n)
+        call = NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None, False, ks,
+                      v.shape[-1])
+        return ks, dil, (call, call._replace(grad=True))
+
+    tensors = backends.tensors_key(q, k, v, rpb)
+    key = None
+    if type(kernel_size) is int and type(dilation) is int and tensors is not None:
+        key = ("na", n, kernel_size, dilation, type(scale), tensors)
+    return backends.checked_once(key, check)
+
+
+def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv=None):
+    ks, dil, calls = _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or rpb is not None and rpb.requires_grad)
-    call = NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None, grad, ks, v.shape[-1])
-    return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale)
+    call = calls[grad]
+    if qkv is None:
+        return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale)
+    return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale, qkv)
+
+
+def _na_qkv(n, qkv, kernel_size, dilation, rpb, scale, backend):
+    fn = f"na{n}d_qkv"
+    layout = "[B, L, 3, heads, head_dim]" if n == 1 else "[B, H, W, 3, heads, head_dim]"
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"{fn}: qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != n + 4 or qkv.shape[n + 1] != 3:
+        raise ValueError(f"{fn}: qkv must be {n + 4}-D {layout}, got shape {tuple(qkv.shape)}")
+    if not qkv.is_floating_point():
+        raise TypeError(f"{fn}: qkv must be a floating-point tensor, got {qkv.dtype}")
+    q, k, v = qkv.unbind(n + 1)
+    return _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv)
 
 
 def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntOrTuple,
@@ -885,6 +918,25 @@ def na1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_size: IntO
     """1-D (dilated) neighborhood attention on ``[B, L, heads, head_dim]``; ``rpb`` is
     ``[heads, 2K-1]``. Same semantics and backends as :func:`na2d`."""
     return _na(1, q, k, v, kernel_size, dilation, rpb, scale, backend)
+
+
+def na2d_qkv(qkv: torch.Tensor, *, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
+             rpb: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+             backend: Optional[str] = None) -> torch.Tensor:
+    """:func:`na2d` of q, k and v packed in one tensor ``qkv`` ``[B, H, W, 3, heads,
+    head_dim]`` (a qkv projection's output, reshaped): ``na2d(*qkv.unbind(3), ...)``, the
+    same on every backend. The ``cuda`` backend's eager calls then write q's, k's and v's
+    gradients into one tensor of qkv's shape, where the three views' gradients would be stacked
+    by ``unbind``'s backward: one copy of the projection's size and two allocations fewer per
+    call (a compiled graph keeps the views and their stack, which Inductor generates)."""
+    return _na_qkv(2, qkv, kernel_size, dilation, rpb, scale, backend)
+
+
+def na1d_qkv(qkv: torch.Tensor, *, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
+             rpb: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+             backend: Optional[str] = None) -> torch.Tensor:
+    """1-D :func:`na2d_qkv`: ``qkv`` ``[B, L, 3, heads, head_dim]``."""
+    return _na_qkv(1, qkv, kernel_size, dilation, rpb, scale, backend)
 
 
 # --------------------------------------------------------------------------------------------

@@ -629,12 +629,22 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
         ``[B, H_out, W_out, heads, head_dim]``, or ``[B, H_out, W_out, L, heads, head_dim]``
         with ``sum_queries=False``; in ``v``'s dtype.
     """
-    _check_call(logits, v, kernel_size, stride, rpb, window_weights, sum_queries)
+    def check():  # once per call metadata: returns the call's keys without and with gradients
+        _check_call(logits, v, kernel_size, stride, rpb, window_weights, sum_queries)
+        call = QnACall(str(v.device), v.dtype, kernel_size, stride, sum_queries, False,
+                       v.shape[-1])
+        return call, call._replace(grad=True)
+
+    tensors = backends.tensors_key(logits, v, rpb, window_weights)
+    key = None  # (exact types: a bool equals an int)
+    if type(kernel_size) is int and type(stride) is int and type(sum_queries) is bool \
+            and tensors is not None:
+        key = ("qna2d", kernel_size, stride, sum_queries, tensors)
+    calls = backends.checked_once(key, check)
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (logits, v, rpb, window_weights))
-    call = QnACall(str(v.device), v.dtype, kernel_size, stride, sum_queries, grad, v.shape[-1])
-    return backends.dispatch("qna2d", call, backend, logits, v, rpb, window_weights, kernel_size,
-                             stride, sum_queries)
+    return backends.dispatch("qna2d", calls[grad], backend, logits, v, rpb, window_weights,
+                             kernel_size, stride, sum_queries)
 
 
 def qna2d_weights(logits: torch.Tensor, *, kernel_size: int, stride: int = 1,
