@@ -16,7 +16,7 @@ if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra
     pytest.skip(kernels.triton_missing(), allow_module_level=True)
 
 from attnzoo.kernels import neighborhood as kn  # noqa: E402
-from attnzoo.ops import na2d, qna2d, san_aggregation, san_subtraction2  # noqa: E402
+from attnzoo.ops import na2d, na2d_qkv, qna2d, san_aggregation, san_subtraction2  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.interpreter
@@ -41,6 +41,8 @@ def _leaves(*shapes):
 CALLS = {
     "na2d": (lambda q, k, v, rpb: na2d(q, k, v, kernel_size=3, rpb=rpb, backend="cuda"),
              [(1, 5, 6, 2, 4)] * 3 + [(2, 5, 5)]),
+    "na2d_qkv": (lambda qkv, rpb: na2d_qkv(qkv, kernel_size=3, rpb=rpb, backend="cuda"),
+                 [(1, 5, 6, 3, 2, 4), (2, 5, 5)]),
     "qna2d": (lambda logits, v: qna2d(logits, v, kernel_size=3, stride=2, backend="cuda"),
               [(1, 5, 6, 2, 3), (1, 5, 6, 3, 4)]),
     "san_subtraction2": (lambda a, b: san_subtraction2(a, b, kernel_size=3, backend="cuda"),
@@ -58,6 +60,18 @@ def test_an_eager_call_runs_the_kernels_without_the_custom_op(op):
         out = fn(*inputs)
         torch.autograd.grad(out.square().sum(), inputs)
     assert not [n for n in seen.names if n.startswith("attnzoo.")], seen.names
+
+
+@pytest.mark.parametrize("op", CALLS)
+def test_a_double_backward_through_the_kernels_raises(op):
+    """The kernels' gradients have no graph of their own: a loss with a gradient penalty
+    through them is an error, not a penalty silently taken as a constant."""
+    fn, shapes = CALLS[op]
+    inputs = _leaves(*shapes)
+    out = fn(*inputs)
+    grads = torch.autograd.grad(out.square().sum(), inputs, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (out.sum() + sum(g.square().sum() for g in grads)).backward()
 
 
 def test_a_warm_key_plans_nothing_again(monkeypatch):

@@ -458,7 +458,7 @@ def test_packed_qkv_errors_name_the_argument():
         na2d_qkv(qkv.numpy(), kernel_size=3)
     with pytest.raises(TypeError, match="na2d_qkv: qkv must be a floating-point"):
         na2d_qkv(qkv.long(), kernel_size=3)
-    with pytest.raises(ValueError, match="kernel_size.*dilation"):
+    with pytest.raises(ValueError, match=r"na2d_qkv: kernel_size \* dilation"):
         na2d_qkv(qkv, kernel_size=5, dilation=2)
 
 

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.autograd import forward_ad
+from torch.autograd.function import once_differentiable
 
 from . import (Autotuner, KernelLimits, TuningStore, can_tune, device_info, eager, kernel_op,
                launch_on_device, tiling, tuning_scope, will_tune)
@@ -708,6 +709,7 @@ class _NA(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable  # (the kernels' gradients have no graph: a double backward raises)
     def backward(ctx, do):
         return _grads(do, ctx.saved_tensors, ctx.needs_input_grad, ctx.args, ctx.config) + (
             None,) * 4
@@ -723,18 +725,18 @@ class _NAPacked(torch.autograd.Function):
         q, k, v = qkv.unbind(3)
         o, lse = _forward(q, k, v, rpb, kernel_size, dilation, scale, _config(config))
         ctx.save_for_backward(qkv, rpb, o, lse)
-        # (the views kept for the backward: qkv, saved, guards them against in-place changes)
-        ctx.views, ctx.args, ctx.config = (q, k, v), (kernel_size, dilation, scale), config
+        ctx.args, ctx.config = (kernel_size, dilation, scale), config
         return o
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do):
         qkv, rpb, o, lse = ctx.saved_tensors
         grad_qkv, grad_rpb = ctx.needs_input_grad[:2]
         dqkv = qkv.new_empty(qkv.shape) if grad_qkv else None
         rpb_grad = rpb is not None and grad_rpb
-        _, _, _, drpb = _backward(do, *ctx.views, rpb, o, lse, *ctx.args, rpb_grad, grad_qkv,
-                                  _config(ctx.config), dqkv)
+        _, _, _, drpb = _backward(do, *qkv.unbind(3), rpb, o, lse, *ctx.args, rpb_grad,
+                                  grad_qkv, _config(ctx.config), dqkv)
         return dqkv, drpb if rpb_grad else None, None, None, None, None
 
 

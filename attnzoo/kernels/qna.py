@@ -28,6 +28,7 @@ import functools
 from typing import List, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -382,6 +383,7 @@ class _QnA(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (the kernels' gradients have no graph: a double backward raises)
     def backward(ctx, g):
         return _grads(g, ctx.saved_tensors, ctx.args) + (None,) * 3
 

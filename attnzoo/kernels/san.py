@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -470,7 +471,8 @@ class _Subtraction(torch.autograd.Function):
         _subtraction_setup(ctx, (x1, x2, *footprint), None)
         return _subtraction_impl(x1, x2, *footprint)
 
-    backward = staticmethod(_subtraction_grads)
+    # (the kernels' gradients have no graph: a double backward raises)
+    backward = staticmethod(once_differentiable(_subtraction_grads))
 
 
 class _Aggregation(torch.autograd.Function):
@@ -479,7 +481,7 @@ class _Aggregation(torch.autograd.Function):
         _aggregation_setup(ctx, (x, weight, *footprint), None)
         return _aggregation_impl(x, weight, *footprint)
 
-    backward = staticmethod(_aggregation_grads)
+    backward = staticmethod(once_differentiable(_aggregation_grads))
 
 
 def san_subtraction_fused(x, fp):

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from .. import backends, kernels
 
-__all__ = ["na1d", "na2d", "na1d_qk", "na1d_av", "na2d_qk", "na2d_av", "na_window_positions",
-           "na_reference", "na_export"]
+__all__ = ["na1d", "na2d", "na1d_qkv", "na2d_qkv", "na1d_qk", "na1d_av", "na2d_qk", "na2d_av",
+           "na_window_positions", "na_reference", "na_export"]
 
 IntOrTuple = Union[int, Sequence[int]]
 
@@ -103,9 +103,8 @@ def _layout(n: int, last: str = "head_dim") -> str:
     return f"[B, L, heads, {last}]" if n == 1 else f"[B, H, W, heads, {last}]"
 
 
-def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
-    """Validate an NA call; returns (kernel_size, dilation) as tuples."""
-    fn = f"na{n}d"
+def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, fn: str):
+    """Validate an NA call of public op ``fn``; returns (kernel_size, dilation) as tuples."""
     _check_tensors(fn, n, "head_dim", q=q, k=k, v=v)
     if q.shape != k.shape or q.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"{fn}: q and k must have the same shape and v the same [B, *spatial, "
@@ -841,15 +840,14 @@ backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear,
 # public ops
 # --------------------------------------------------------------------------------------------
 
-def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
+def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, fn: str):
     """:func:`_check_call` once per call metadata (:func:`attnzoo.backends.checked_once`);
     returns (kernel_size, dilation, the call's keys without and with gradients). Int windows
     only: a tuple may hold a bool, which equals an int."""
     def check():
-        ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n)
-        call = NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None, False, ks,
-                      v.shape[-1])
-        return ks, dil, (call, call._replace(grad=True))
+        ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n, fn)
+        return ks, dil, tuple(NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None,
+                                     grad, ks, v.shape[-1]) for grad in (False, True))
 
     tensors = backends.tensors_key(q, k, v, rpb)
     key = None
@@ -859,7 +857,8 @@ def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int):
 
 
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv=None):
-    ks, dil, calls = _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n)
+    fn = f"na{n}d" if qkv is None else f"na{n}d_qkv"
+    ks, dil, calls = _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n, fn)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

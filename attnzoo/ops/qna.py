@@ -631,9 +631,8 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
     """
     def check():  # once per call metadata: returns the call's keys without and with gradients
         _check_call(logits, v, kernel_size, stride, rpb, window_weights, sum_queries)
-        call = QnACall(str(v.device), v.dtype, kernel_size, stride, sum_queries, False,
-                       v.shape[-1])
-        return call, call._replace(grad=True)
+        return tuple(QnACall(str(v.device), v.dtype, kernel_size, stride, sum_queries, grad,
+                             v.shape[-1]) for grad in (False, True))
 
     tensors = backends.tensors_key(logits, v, rpb, window_weights)
     key = None  # (exact types: a bool equals an int)
