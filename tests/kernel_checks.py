@@ -1,7 +1,7 @@
 """What the kernel tests of every family share: a kernel's output and input gradients against the
 float64 torch reference on the same (rounded) inputs (the reference itself is checked against the
-brute forces of tests/oracles.py by the op tests); the layouts models hand the custom ops, and
-torch.library's checks of an op on them."""
+brute forces of tests/oracles.py by the op tests); the layouts models hand the custom ops,
+torch.library's checks of an op on them, and the ATen ops a call dispatches."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,19 @@ from typing import Iterable, Optional, Sequence
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class DispatchedOps(TorchDispatchMode):
+    """Within it, ``names``: every ATen op dispatched, as ``str(op)`` (``aten.stack.default``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def weighted_grads(out: torch.Tensor, inputs: Sequence[torch.Tensor], dtype: torch.dtype,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnzoo import kernels
 
@@ -16,21 +15,12 @@ if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra
     pytest.skip(kernels.triton_missing(), allow_module_level=True)
 
 from attnzoo.kernels import neighborhood as kn  # noqa: E402
+from kernel_checks import DispatchedOps  # noqa: E402
 from attnzoo.ops import na2d, na2d_qkv, qna2d, san_aggregation, san_subtraction2  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.interpreter
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _leaves(*shapes):
@@ -56,7 +46,7 @@ CALLS = {
 def test_an_eager_call_runs_the_kernels_without_the_custom_op(op):
     fn, shapes = CALLS[op]
     inputs = _leaves(*shapes)
-    with _Ops() as seen:
+    with DispatchedOps() as seen:
         out = fn(*inputs)
         torch.autograd.grad(out.square().sum(), inputs)
     assert not [n for n in seen.names if n.startswith("attnzoo.")], seen.names
@@ -129,7 +119,7 @@ def test_launches_captured_without_arguments_keep_no_tensor():
     (stolen into ``.grad``, not copied, as in a real training step)."""
     q, k, v = (torch.empty(1, 6, 5, 2, 4, device="meta", requires_grad=True) for _ in range(3))
     rpb = torch.nn.Parameter(torch.empty(2, 5, 5, device="meta"))
-    with kernels.capture_launches(arguments=False) as launches, _Ops() as seen:
+    with kernels.capture_launches(arguments=False) as launches, DispatchedOps() as seen:
         kn.na_fused(q, k, v, (3, 3), (1, 1), rpb, 0.5).sum().backward()
     assert [launch[0] for launch in launches] == [
         kn._na_fwd_kernel, kn._na_bwd_dq_kernel, kn._na_bwd_dkdv_kernel]

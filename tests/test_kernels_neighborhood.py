@@ -44,7 +44,7 @@ from attnzoo.ops import na1d, na1d_qkv, na2d, na2d_qkv  # noqa: E402
 from attnzoo.ops import neighborhood as nbh  # noqa: E402
 import model_checks  # noqa: E402
 from kernel_checks import (  # noqa: E402
-    assert_matches_reference, check_auto_waits_for_a_verification, rerun_without_a_gpu,
+    DispatchedOps, assert_matches_reference, check_auto_waits_for_a_verification, rerun_without_a_gpu,
     verification, weighted_grads)
 from tiny_models import NAT_MINI_CUT  # noqa: E402
 
@@ -244,16 +244,6 @@ def test_noncontiguous_inputs_and_partial_grads(monkeypatch):
     torch.testing.assert_close(dq.double().cpu(), dq_ref, atol=1e-5, rtol=1e-5)
 
 
-class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("shape,kernel,dilation", [
     ((2, 9, 10, 3, 2, 8), 3, (2, 1)),
     ((1, 40, 3, 2, 8), 5, 3),
@@ -273,9 +263,10 @@ def test_packed_qkv_gradient_is_written_whole(shape, kernel, dilation):
                       backend="cuda")
     with kernels.capture_launches(arguments=False):  # (the interpreter's own copies left out)
         loss = call().sum()
-        with _Copies() as seen:
+        with DispatchedOps() as seen:
             loss.backward()
-    assert seen.ops and not {"stack", "copy_", "clone", "cat"} & set(seen.ops), seen.ops
+    ops = {name.split(".")[1] for name in seen.names}  # aten.stack.default -> stack
+    assert ops and not {"stack", "copy_", "clone", "cat"} & ops, seen.names
     qkv.grad = rpb.grad = None
     out = call()
     grads = weighted_grads(out, [qkv, rpb], torch.float32)
