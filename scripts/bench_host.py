@@ -28,9 +28,11 @@ timm's swin_tiny, on meta tensors at batch 32: the ATen ops dispatched, the copi
 (``copy_``, ``_to_copy``, ``clone``, ``select_backward``, ``stack``: what a GPU runs as copy
 kernels), the kernel launches captured and the host milliseconds of the step, where torch's
 Python meta functions dominate (a LayerNorm's forward and backward take some 3 ms there); and
-the host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1 (QnA-ViT
-2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++ as on a GPU's host,
-their CPU work included: small, but for Swin's window attention, which does not narrow).
+the copies and host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1
+(QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++ as on a
+GPU's host, their CPU work included: small, but for Swin's window attention, which does not
+narrow; real tensors' strides, where meta's LayerNorm backward gives others, which cost
+clones).
 Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
 
     python scripts/bench_host.py                       # the per-call table
@@ -45,7 +47,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -298,24 +300,32 @@ def measure_steps(models, batch: int, repeat: int) -> List[dict]:
             launched = len(launches)
             ms = _best_ms(step, launches, repeat)
             # (a narrow step takes some 30 ms: ten of them, the best kept)
-            narrow_ms = _narrow_ms(name, launches, 10) if name in NARROW else None
+            narrow_ms, narrow_copies = _narrow(name, launches, 10) if name in NARROW else (
+                None, None)
         ops = counted.ops
         rows.append(dict(model=name, ops=sum(ops.values()), copies=sum(ops[c] for c in COPIES),
-                         launches=launched, ms=ms, narrow_ms=narrow_ms))
+                         narrow_copies=narrow_copies, launches=launched, ms=ms,
+                         narrow_ms=narrow_ms))
     return rows
 
 
-def _narrow_ms(name: str, launches: list, repeat: int) -> float:
+def _narrow(name: str, launches: list, repeat: int) -> Tuple[float, int]:
     """Host ms of ``name``'s step narrowed (NARROW), batch 1, on CPU tensors and one thread,
-    as a GPU's host dispatches; denormals flushed (the captured kernels' outputs are left
-    uninitialised, and a denormal would slow the CPU's work on them)."""
+    as a GPU's host dispatches, and its copies (the strides of real tensors: meta's LayerNorm
+    backward, for one, gives others); denormals flushed (the captured kernels' outputs are
+    left uninitialised, and a denormal would slow the CPU's work on them)."""
     import timm
     model = timm.create_model(name, **NARROW[name]).train()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     try:
-        return _best_ms(_step(model, torch.randn(1, 3, 224, 224)), launches, repeat)
+        step = _step(model, torch.randn(1, 3, 224, 224))
+        ms = _best_ms(step, launches, repeat)
+        with _Count() as counted:
+            step()
+        launches.clear()
+        return ms, sum(counted.ops[c] for c in COPIES)
     finally:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(False)
@@ -373,22 +383,23 @@ def steps_table(rows: List[dict], batch: int) -> str:
     lines = ["", f"Training step (gradients set to None, forward, logsumexp loss, backward), "
                  "224 px, launches captured, fp32 (no autocast without CUDA). On meta tensors, "
                  f"batch {batch}: ATen ops, copies ({', '.join(COPIES)}), kernel launches, host "
-                 "ms (torch's Python meta functions included); narrow: host ms on CPU tensors, "
-                 "batch 1, the model at head dim 1 (QnA-ViT 2) with its depths, heads and "
-                 "windows (the same ops in C++, their CPU work included: Swin's window "
-                 "attention among it, attnzoo's kernels not); x: over swin_tiny's.", "",
-             "| model | ATen ops | copies | launches | host ms, meta | host ms, narrow | ops x "
-             "| meta x | narrow x |",
-             "|---|---|---|---|---|---|---|---|---|"]
+                 "ms (torch's Python meta functions included); narrow: copies and host ms on "
+                 "CPU tensors, batch 1, the model at head dim 1 (QnA-ViT 2) with its depths, "
+                 "heads and windows (the same ops in C++, their CPU work included: Swin's "
+                 "window attention among it, attnzoo's kernels not); x: over swin_tiny's.", "",
+             "| model | ATen ops | copies, meta | copies, narrow | launches | host ms, meta | "
+             "host ms, narrow | ops x | meta x | narrow x |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def ratio(key):
             if not anchor or r[key] is None or anchor[key] is None:
                 return "-"
             return f"{r[key] / anchor[key]:.2f}"
         narrow = "-" if r["narrow_ms"] is None else f"{r['narrow_ms']:.1f}"
-        lines.append(f"| {r['model']} | {r['ops']} | {r['copies']} | {r['launches']} | "
-                     f"{r['ms']:.0f} | {narrow} | {ratio('ops')} | {ratio('ms')} | "
-                     f"{ratio('narrow_ms')} |")
+        copies = "-" if r["narrow_copies"] is None else r["narrow_copies"]
+        lines.append(f"| {r['model']} | {r['ops']} | {r['copies']} | {copies} | "
+                     f"{r['launches']} | {r['ms']:.0f} | {narrow} | {ratio('ops')} | "
+                     f"{ratio('ms')} | {ratio('narrow_ms')} |")
     return "\n".join(lines)
 
 

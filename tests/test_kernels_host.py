@@ -110,7 +110,8 @@ def test_bench_host_runs_its_tables(capsys, monkeypatch):
     assert "| na2d_qkv nat_tiny s3 7x7 h16 k7 rpb | fwd+bwd |" in out
     row = next(line for line in out.splitlines() if line.startswith("| nat_mini |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 9 and float(cells[4]) > 0 and float(cells[5]) > 0  # meta, narrow ms
+    assert len(cells) == 10 and float(cells[5]) > 0 and float(cells[6]) > 0  # meta, narrow ms
+    assert int(cells[2]) >= int(cells[3])  # copies on meta and narrow
 
 
 def test_launches_captured_without_arguments_keep_no_tensor():
