@@ -863,10 +863,9 @@ def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv=None):
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or rpb is not None and rpb.requires_grad)
-    call = calls[grad]
-    if qkv is None:
-        return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale)
-    return backends.dispatch(f"na{n}d", call, backend, q, k, v, ks, dil, rpb, scale, qkv)
+    packed = () if qkv is None else (qkv,)  # (na2d's implementations take seven arguments)
+    return backends.dispatch(f"na{n}d", calls[grad], backend, q, k, v, ks, dil, rpb, scale,
+                             *packed)
 
 
 def _na_qkv(n, qkv, kernel_size, dilation, rpb, scale, backend):
