@@ -513,13 +513,16 @@ def checked_once(key: Optional[tuple], check: Callable[[], Any]) -> Any:
     return result
 
 
-def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
+def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any,
+             empty: Optional[bool] = None) -> Any:
     """Run ``op`` for call ``key`` on the backend the selection rules give; ``args`` (already
     validated by the public op) go to the implementation unchanged.
 
     A call with an empty tensor (a batch of 0) is still resolved, so an unsupported request
     raises as for any other size, but the torch reference computes it: its result is empty
     (or a reduction over nothing), and kernels may refuse empty launches (NATTEN does).
+    ``empty``: whether a tensor of ``args`` is empty, where the op knows it already (its
+    checks, run once per call metadata); ``None``: looked at here.
 
     While :func:`exporting`, the op's export formula runs instead, and no backend is resolved."""
     spec = _OPS[op]
@@ -530,7 +533,8 @@ def dispatch(op: str, key: tuple, backend: Optional[str], *args: Any) -> Any:
         keys = calls.setdefault(op, [])
         if key not in keys:
             keys.append(key)
-    empty = 0 in [a.numel() for a in args if isinstance(a, torch.Tensor)]
+    if empty is None:
+        empty = 0 in [a.numel() for a in args if isinstance(a, torch.Tensor)]
     impl = spec.backends["torch" if empty else name].impl
     if not _observers:
         return impl(*args)

@@ -134,7 +134,8 @@ def model_calls(name: str, dtype: torch.dtype, batch: int = 2) -> List[Call]:
             model(torch.empty((batch,) + tuple(size), device="meta", dtype=dtype)).sum().backward()
     finally:
         na_layer.na2d_dispatch, na_layer.na2d_qkv_dispatch = real
-    forward = [(args, kw) for fn, _, args, kw in launches if KERNELS[fn.__name__] == "fwd"]
+    forward = [(args, kernels.launch_arguments(fn, args, kw)) for fn, _, args, kw in launches
+               if KERNELS[fn.__name__] == "fwd"]
     # autograd runs the layers' backward last to first; dQ's launch holds the output gradient
     grads = [args[5] for fn, _, args, kw in reversed(launches) if KERNELS[fn.__name__] == "dq"]
     calls = []

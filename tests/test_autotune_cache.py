@@ -24,6 +24,7 @@ _TIMES = {"a": 2.0, "b": 1.0}  # an autotuner's two configurations: b the faster
 # prints how many configurations were timed and which one the call took.
 _SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
+    from attnzoo import kernels
     from attnzoo.kernels import neighborhood as kn
     from attnzoo.ops import na2d
 
@@ -47,8 +48,12 @@ _SCRIPT = textwrap.dedent("""
 
     kn._TUNER.bench = bench
     run = kn._run
+    def named(kernel, a, kw):
+        return kernels.launch_arguments(kernel, a, kw)
+
     kn._run = lambda kernel, grid, *a, warmup=False, **kw: (
-        chosen.append((kw["TH"], kw["TW"], kw["BN"], kw["num_warps"], kw["num_stages"]))
+        chosen.append(tuple(named(kernel, a, kw)[n] for n in
+                            ("TH", "TW", "BN", "num_warps", "num_stages")))
         if not warmup else None, run(kernel, grid, *a, warmup=warmup, **kw))[1]
     q = torch.randn(1, 8, 8, 1, 16)
     na2d(q, q, q, kernel_size=3, backend="cuda")

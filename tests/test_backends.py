@@ -202,7 +202,7 @@ def test_every_op_maps_an_empty_batch_to_an_empty_output_forward_and_backward(op
 def test_an_empty_call_is_resolved_but_computed_by_the_reference():
     """A backend that cannot run the call still raises at batch 0; one that can (NATTEN here,
     which itself fails on an empty batch) gets an empty result from the torch reference."""
-    from attnzoo.ops import na2d
+    from attnzoo.ops import na2d, na2d_qkv
     q = torch.randn(0, 6, 6, 2, 8)
     rpb = torch.zeros(2, 5, 5)
     with pytest.raises(attnzoo.BackendUnsupportedError, match="relative positional bias"):
@@ -214,3 +214,5 @@ def test_an_empty_call_is_resolved_but_computed_by_the_reference():
         except attnzoo.BackendUnsupportedError:
             return  # NATTEN is not installed here (CI installs it): nothing more to check
         assert na2d(q, q, q, kernel_size=3, backend="natten").shape == q.shape
+        qkv = torch.stack([q, q, q], 3)  # the packed op: its checks tell dispatch it is empty
+        assert na2d_qkv(qkv, kernel_size=3, backend="natten").shape == q.shape

@@ -225,7 +225,8 @@ def test_noncontiguous_inputs_and_partial_grads(monkeypatch):
     launched = []
     run = kn._run
     monkeypatch.setattr(kn, "_run", lambda kernel, grid, *a, **kw: launched.append(
-        (kernel.__name__, kw.get("RPB_GRAD"))) or run(kernel, grid, *a, **kw))
+        (kernel.__name__, kernels.launch_arguments(kernel, a, kw).get("RPB_GRAD")))
+        or run(kernel, grid, *a, **kw))
     g = torch.Generator().manual_seed(4)
     q, k, v = torch.randn(2, 11, 9, 3, 2, 16, generator=g).to(DEVICE).unbind(3)
     rpb = torch.randn(2, 5, 5, generator=g).to(DEVICE)
@@ -355,7 +356,8 @@ def test_logit_work_counts_what_the_kernels_compute(shape, kernel, dilation, mon
     launches, run, region_block = [], kn._run, kn.region_block
 
     def counting_run(kernel_fn, grid, *args, **kwargs):
-        launches.append([kernel_fn.__name__, kwargs, 0])
+        launches.append([kernel_fn.__name__, kernels.launch_arguments(kernel_fn, args, kwargs),
+                         0])
         return run(kernel_fn, grid, *args, **kwargs)
 
     def counting_block(y0, x0, rows, cols, n, BN):
@@ -383,7 +385,7 @@ def test_fp32_uses_tf32_only_where_torch_allows_it(setting, monkeypatch):
     float64 reference at TF32's precision, and measurably not exact."""
     precisions, run = [], kn._run
     monkeypatch.setattr(kn, "_run", lambda fn, grid, *a, **kw: precisions.append(
-        kw["PRECISION"]) or run(fn, grid, *a, **kw))
+        kernels.launch_arguments(fn, a, kw)["PRECISION"]) or run(fn, grid, *a, **kw))
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(setting)
     try:

@@ -222,6 +222,13 @@ def capture_launches(arguments: bool = True) -> Iterator[List[tuple]]:
         _captured, _captured_args = previous
 
 
+def launch_arguments(kernel: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """A launch's arguments (as captured, or as a wrapped launch function receives them) by
+    the kernel's parameter names, its options (``num_warps``...) too: launches pass most
+    arguments positionally."""
+    return dict(zip(kernel.arg_names, args), **kwargs)
+
+
 def capturing(*tensors: torch.Tensor) -> bool:
     """Whether :func:`capture_launches` is active and ``tensors`` are plain meta tensors (not
     the fake tensors of a torch.compile trace): a custom op's fake implementation then runs the
@@ -256,6 +263,19 @@ def eager(tensor: torch.Tensor) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ``once_differentiable`` for the families' ``autograd.Function`` backwards (the
+    kernels' gradients have no graph: a double backward raises), calling ``backward`` directly
+    where grad mode is off, as ``loss.backward()`` runs it: torch's wrapper would enter
+    ``no_grad`` again there, some 1.5 us a call, and do nothing else."""
+    guarded = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *args):
+        return guarded(ctx, *args) if torch.is_grad_enabled() else backward(ctx, *args)
+    return wrapper
 
 
 def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):

@@ -35,10 +35,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.autograd import forward_ad
-from torch.autograd.function import once_differentiable
 
 from . import (Autotuner, KernelLimits, TuningStore, can_tune, device_info, eager, kernel_op,
-               launch_on_device, tiling, tuning_scope, will_tune)
+               launch_on_device, once_differentiable, tiling, tuning_scope, will_tune)
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, round_to, store_rows,
@@ -498,34 +497,58 @@ _TUNER = Autotuner(store=TuningStore())
 _run = launch_on_device
 
 
-# A call key's launch plan: (grid, config, the arguments every kernel takes besides tensors and
-# strides), computed once per key (plans: the host code's per-call work is the key's lookup).
-_PLANS: Dict[tuple, Tuple[tuple, Config, dict]] = {}
+class _Plan(NamedTuple):
+    """A call key's launch of one kernel, computed once per key (``_PLANS``: the host code's
+    per-call work is the key's lookup). The kernel's arguments after its tensors and strides
+    are positional, a call's own values between them (``geometry, scales[, ...], constants[,
+    flag]``): ~25 keywords cost some 2 us a launch to pass, here and in Triton's launcher."""
+    grid: tuple
+    config: Config
+    geometry: tuple    # heads .. tiles_x
+    constants: tuple   # KH .. the kernel's constexprs, but for a per-call flag passed last
+    options: dict      # num_warps, num_stages
 
 
-def _launch(kernel: str, q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool,
-            config: Optional[Config], run: Callable[..., Any]) -> None:
-    """Launch ``kernel`` for this call: ``run(grid, config, args, warmup)`` with the geometry
-    and constexprs every kernel takes. ``config`` forces one; else the autotuner's choice among
+# A call key's plans by kernel ("fwd", "dq", "dkdv"): looked up once per call, in its forward
+# (:func:`_call_plans`), whose autograd context hands them to the backward.
+_PLANS: Dict[tuple, Dict[str, _Plan]] = {}
+_KERNELS = {"fwd": _na_fwd_kernel, "dq": _na_bwd_dq_kernel, "dkdv": _na_bwd_dkdv_kernel}
+
+
+def _call_plans(q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool,
+                config: Optional[Config]) -> Dict[str, _Plan]:
+    """The plans of this call's key (shape, head dims, kernel size, dilation, dtype, precision,
+    bias, device, forced config, deterministic mode), filled in by :func:`_launch`."""
+    key = (q.shape, v.shape[-1], kernel_size, dilation, q.dtype,
+           dot_precision(q.dtype, tiling.INTERPRETED), has_rpb, q.device, config,
+           torch.are_deterministic_algorithms_enabled())
+    plans = _PLANS.get(key)
+    if plans is None:
+        plans = _PLANS[key] = {}
+    return plans
+
+
+def _launch(kernel: str, plans: Dict[str, _Plan], q: torch.Tensor, v: torch.Tensor,
+            kernel_size, dilation, has_rpb: bool, config: Optional[Config],
+            run: Callable[..., Any]) -> None:
+    """Launch ``kernel`` for this call: ``run(plan, warmup)`` with its :class:`_Plan` from
+    ``plans`` (:func:`_call_plans`). ``config`` forces one; else the autotuner's choice among
     :func:`configs` for this shape, kernel size, dilation, head dims, dtype, precision and
-    device. The plan is computed once per key: ``_PLANS``."""
-    precision = dot_precision(q.dtype, tiling.INTERPRETED)
-    key = (kernel, q.shape, v.shape[-1], kernel_size, dilation, q.dtype, precision, has_rpb,
-           q.device, config, torch.are_deterministic_algorithms_enabled())
-    plan = _PLANS.get(key)
+    device."""
+    plan = plans.get(kernel)
     if plan is None:
-        plan = _plan(kernel, q, v, kernel_size, dilation, has_rpb, precision, config, run, key)
-    grid, config, args = plan
-    run(grid, config, args, False)
+        plan = _plan(kernel, plans, q, v, kernel_size, dilation, has_rpb, config, run)
+    run(plan, False)
 
 
-def _plan(kernel, q, v, kernel_size, dilation, has_rpb, precision, config, run, key):
-    """The launch plan of a call key (:func:`_launch`), kept in ``_PLANS`` once final: a forced
+def _plan(kernel, plans, q, v, kernel_size, dilation, has_rpb, config, run) -> _Plan:
+    """The launch plan of a call key (:func:`_launch`), kept in ``plans`` once final: a forced
     configuration, a tuned one, or the default where no timing will ever take place."""
     B, H, W, heads, D = q.shape
+    precision = dot_precision(q.dtype, tiling.INTERPRETED)
     KH, KW = kernel_size
 
-    def plan_of(config: Config) -> Tuple[tuple, Config, dict]:
+    def plan_of(config: Config) -> _Plan:
         t = config.tiling
         if not (t.TH * t.TW >= 16 and t.BN >= 16 and all(n & (n - 1) == 0 for n in t)):
             raise ValueError(f"{t}: tiles and blocks must be powers of two of >= 16 positions")
@@ -534,12 +557,18 @@ def _plan(kernel, q, v, kernel_size, dilation, has_rpb, precision, config, run, 
                     DIL_X=dilation[1], tiles_y=tiles_y, tiles_x=tiles_x, KH=KH, KW=KW,
                     TH=t.TH, TW=t.TW, BN=t.BN, BD=pow2(D), BDV=pow2(v.shape[-1]),
                     HAS_RPB=has_rpb, NREL=pow2((2 * KH - 1) * (2 * KW - 1), 1) if has_rpb else 1,
-                    PRECISION=precision, num_warps=config.num_warps,
-                    num_stages=config.num_stages)
+                    PRECISION=precision)
         if kernel == "dq":  # the rpb gradient's fold (see _na_bwd_dq_kernel)
             args.update(RY=pow2(2 * KH - 1), CX=pow2(2 * KW - 1),
                         R=_rows_per_block(t, kernel_size))
-        return (B * heads * dilation[0] * dilation[1] * tiles_y * tiles_x,), config, args
+        names = _KERNELS[kernel].arg_names
+        constants = names[names.index("KH"):]
+        if constants[-1] not in args:  # the backward's flag: the call's, passed last
+            constants = constants[:-1]
+        return _Plan((B * heads * dilation[0] * dilation[1] * tiles_y * tiles_x,), config,
+                     tuple(args[n] for n in names[names.index("heads"):names.index("qk_scale")]),
+                     tuple(args[n] for n in constants),
+                     dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
     final = config is not None
     if config is None:
@@ -550,13 +579,13 @@ def _plan(kernel, q, v, kernel_size, dilation, has_rpb, precision, config, run, 
                     has_rpb, str(q.device))
         tune = can_tune(q.device)
         config = _TUNER.choose(tune_key, space,
-                               lambda c, warmup=False: run(*plan_of(c), warmup), tune,
+                               lambda c, warmup=False: run(plan_of(c), warmup), tune,
                                tuning_scope(q.device) if tune else "")
         # untuned where a later call may tune (while tracing or capturing a CUDA graph): not final
         final = tune or tune_key in _TUNER.best or not will_tune(q.device)
     plan = plan_of(config)
     if final:
-        _PLANS[key] = plan
+        plans[kernel] = plan
     return plan
 
 
@@ -575,8 +604,8 @@ def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool, dqkv=None):
     """dq, dk, dv and the rpb gradient in their inputs' dtypes (the rpb's summed in float32);
     an empty tensor stands for a gradient not computed (a custom op returns no None).
     ``dqkv``: the packed input's gradient (:class:`_NAPacked`), whose views dq, dk, dv are."""
-    drpb = q.new_empty(rpb.shape if rpb_grad else 0,
-                       dtype=rpb.dtype if rpb_grad else torch.float32)
+    drpb = (torch.empty_like(rpb, memory_format=torch.contiguous_format) if rpb_grad else
+            q.new_empty(0, dtype=torch.float32))
     if dqkv is not None:
         return (*dqkv.unbind(3), drpb)
     return (q.new_empty(q.shape), k.new_empty(k.shape if kv_grad else 0),
@@ -584,50 +613,58 @@ def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool, dqkv=None):
 
 
 def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
+    """o and lse, and the call's plans (:func:`_call_plans`, for its backward)."""
     o, lse = _forward_outputs(q, v)
-    _launch("fwd", q, v, kernel_size, dilation, rpb is not None, config,
-            lambda grid, _, args, warmup: _run(
-                _na_fwd_kernel, grid, q, k, v, q if rpb is None else rpb, o, lse, *q.stride(),
-                *k.stride(), *v.stride(), *o.stride(), qk_scale=scale * LOG2E, warmup=warmup,
-                **args))
-    return o, lse
+    plans = _call_plans(q, v, kernel_size, dilation, rpb is not None, config)
+    _launch("fwd", plans, q, v, kernel_size, dilation, rpb is not None, config,
+            lambda plan, warmup: _run(
+                _na_fwd_kernel, plan.grid, q, k, v, q if rpb is None else rpb, o, lse,
+                *q.stride(), *k.stride(), *v.stride(), *o.stride(), *plan.geometry,
+                scale * LOG2E, *plan.constants, warmup=warmup, **plan.options))
+    return o, lse, plans
 
 
 def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_grad,
-              need_kv_grad, config=None, dqkv=None):
+              need_kv_grad, config=None, dqkv=None, plans=None):
+    """dq, dk, dv and the rpb gradient (:func:`_backward_outputs`); ``plans``: the forward's
+    (:func:`_forward`), or None."""
+    if plans is None:
+        plans = _call_plans(q, v, kernel_size, dilation, rpb is not None, config)
     KH, KW = kernel_size
     B, heads = q.shape[0], q.shape[3]
     dq, dk, dv, drpb = _backward_outputs(q, k, v, rpb, need_rpb_grad, need_kv_grad, dqkv)
     n_rel = (2 * KH - 1) * (2 * KW - 1)
     rpb_arg = q if rpb is None else rpb  # a stand-in pointer, never read (HAS_RPB=False)
-    # delta (rowsum(dO * O), laid out as lse: the kernels index both flat), then one
-    # rpb-gradient table per program of the last dq launch, in one allocation
-    scratch = []
+    # rowsum(dO * O), laid out as lse: the kernels index both flat
+    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+    # with need_rpb_grad, one rpb-gradient table per program of the dq launch (its plan's);
+    # else a stand-in pointer, never written (RPB_GRAD=False)
+    tables = [delta]
 
-    def run_dq(grid, config, args, warmup):
-        rows = grid[0] if need_rpb_grad else 1
-        buffer = torch.empty(lse.numel() + rows * n_rel, device=q.device, dtype=torch.float32)
-        scratch[:] = buffer, buffer[lse.numel():]
-        return _run(_na_bwd_dq_kernel, grid, q, k, v, rpb_arg, o, do, lse, buffer, dq,
-                    scratch[1], *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                    *do.stride(), *dq.stride(), qk_scale=scale * LOG2E, scale=scale,
-                    RPB_GRAD=need_rpb_grad, warmup=warmup, **args)
+    def run_dq(plan, warmup):
+        if need_rpb_grad:
+            tables[0] = torch.empty(plan.grid[0] * n_rel, device=q.device, dtype=torch.float32)
+        return _run(_na_bwd_dq_kernel, plan.grid, q, k, v, rpb_arg, o, do, lse, delta, dq,
+                    tables[0], *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                    *do.stride(), *dq.stride(), *plan.geometry, scale * LOG2E, scale,
+                    *plan.constants, need_rpb_grad, warmup=warmup, **plan.options)
 
-    _launch("dq", q, v, kernel_size, dilation, rpb is not None, config, run_dq)
-    delta, partial = scratch
-    partial_rows = partial.numel() // (B * heads * n_rel)
+    _launch("dq", plans, q, v, kernel_size, dilation, rpb is not None, config, run_dq)
+    partial = tables[0]
     if need_kv_grad:  # after dq, which writes delta and the rpb tables
         sums = heads * -(-n_rel // SUM_ENTRIES.value) if need_rpb_grad else 0  # their programs
+        partial_rows = partial.numel() // (B * heads * n_rel)
 
-        def run_dkdv(grid, config, args, warmup):
-            return _run(_na_bwd_dkdv_kernel, (grid[0] + sums,), q, k, v, rpb_arg, do, lse,
+        def run_dkdv(plan, warmup):
+            tiles = plan.grid[0]
+            return _run(_na_bwd_dkdv_kernel, (tiles + sums,), q, k, v, rpb_arg, do, lse,
                         delta, dk, dv, partial, drpb if need_rpb_grad else partial, *q.stride(),
                         *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-                        qk_scale=scale * LOG2E, scale=scale, n_tiles=grid[0], batch=B,
-                        partial_rows=partial_rows, RPB_SUM=need_rpb_grad, warmup=warmup,
-                        **args)
+                        *plan.geometry, scale * LOG2E, scale, tiles, B, partial_rows,
+                        *plan.constants, need_rpb_grad, warmup=warmup, **plan.options)
 
-        _launch("dkdv", q, v, kernel_size, dilation, rpb is not None, config, run_dkdv)
+        _launch("dkdv", plans, q, v, kernel_size, dilation, rpb is not None, config,
+                run_dkdv)
     elif need_rpb_grad:  # k and v frozen: torch sums the tables
         drpb.view(heads, n_rel).copy_(partial.view(B, heads, -1, n_rel).sum((0, 2)))
     return dq, dk, dv, drpb
@@ -638,7 +675,8 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
 # every kernel's, or empty (the autotuner's choice).
 
 def _na_impl(q, k, v, rpb, kernel_size, dilation, scale, config):
-    return _forward(q, k, v, rpb, tuple(kernel_size), tuple(dilation), scale, _config(config))
+    return _forward(q, k, v, rpb, tuple(kernel_size), tuple(dilation), scale,
+                    _config(config))[:2]
 
 
 _na_op = kernel_op(
@@ -667,14 +705,14 @@ def _config(ints) -> Optional[Config]:
     return Config(Tiling(*ints[:3]), *ints[3:]) if ints else None
 
 
-def _grads(do, saved, needs, args, config):
+def _grads(do, saved, needs, args, config, plans=None):
     """The inputs' gradients (q, k, v, rpb; None where not needed) from the forward's saved
     tensors (q, k, v, rpb, o, lse) and ``needs``: ``ctx.needs_input_grad``."""
     q, k, v, rpb, o, lse = saved
     rpb_grad, kv_grad = rpb is not None and needs[3], needs[1] or needs[2]
     if eager(do):
         dq, dk, dv, drpb = _backward(do, q, k, v, rpb, o, lse, *args, rpb_grad, kv_grad,
-                                     _config(config))
+                                     _config(config), plans=plans)
     else:  # traced: the op
         dq, dk, dv, drpb = _na_backward_op(do, q, k, v, rpb, o, lse, *args, rpb_grad, kv_grad,
                                            config)
@@ -703,29 +741,32 @@ class _NA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rpb, kernel_size, dilation, scale, config):
-        o, lse = _forward(q, k, v, rpb, kernel_size, dilation, scale, _config(config))
+        o, lse, ctx.plans = _forward(q, k, v, rpb, kernel_size, dilation, scale,
+                                     _config(config))
         ctx.save_for_backward(q, k, v, rpb, o, lse)
         ctx.args, ctx.config = (kernel_size, dilation, scale), config
         return o
 
     @staticmethod
-    @once_differentiable  # (the kernels' gradients have no graph: a double backward raises)
+    @once_differentiable
     def backward(ctx, do):
-        return _grads(do, ctx.saved_tensors, ctx.needs_input_grad, ctx.args, ctx.config) + (
-            None,) * 4
+        return _grads(do, ctx.saved_tensors, ctx.needs_input_grad, ctx.args, ctx.config,
+                      ctx.plans) + (None,) * 4
 
 
 class _NAPacked(torch.autograd.Function):
     """:class:`_NA` on q, k and v packed in one input ``[B, H, W, 3, heads, d]`` (``na2d_qkv``),
     whose gradient is one allocation that dq, dk and dv are written into: three inputs'
-    gradients would be copied into one by ``unbind``'s backward."""
+    gradients would be copied into one by ``unbind``'s backward. ``views``: qkv's q, k and v,
+    as the public op unbound them (kept for the backward: views of the saved qkv, whose
+    version counter they share, so that an in-place change of qkv still raises)."""
 
     @staticmethod
-    def forward(ctx, qkv, rpb, kernel_size, dilation, scale, config):
-        q, k, v = qkv.unbind(3)
-        o, lse = _forward(q, k, v, rpb, kernel_size, dilation, scale, _config(config))
+    def forward(ctx, qkv, rpb, views, kernel_size, dilation, scale, config):
+        o, lse, ctx.plans = _forward(*views, rpb, kernel_size, dilation, scale,
+                                     _config(config))
         ctx.save_for_backward(qkv, rpb, o, lse)
-        ctx.args, ctx.config = (kernel_size, dilation, scale), config
+        ctx.views, ctx.args, ctx.config = views, (kernel_size, dilation, scale), config
         return o
 
     @staticmethod
@@ -733,11 +774,11 @@ class _NAPacked(torch.autograd.Function):
     def backward(ctx, do):
         qkv, rpb, o, lse = ctx.saved_tensors
         grad_qkv, grad_rpb = ctx.needs_input_grad[:2]
-        dqkv = qkv.new_empty(qkv.shape) if grad_qkv else None
+        dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format) if grad_qkv else None
         rpb_grad = rpb is not None and grad_rpb
-        _, _, _, drpb = _backward(do, *qkv.unbind(3), rpb, o, lse, *ctx.args, rpb_grad,
-                                  grad_qkv, _config(ctx.config), dqkv)
-        return dqkv, drpb if rpb_grad else None, None, None, None, None
+        _, _, _, drpb = _backward(do, *ctx.views, rpb, o, lse, *ctx.args, rpb_grad,
+                                  grad_qkv, _config(ctx.config), dqkv, ctx.plans)
+        return dqkv, drpb if rpb_grad else None, None, None, None, None, None
 
 
 def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tuple[int, ...],
@@ -765,7 +806,7 @@ def na_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Tup
                 q.requires_grad or k.requires_grad or v.requires_grad
                 or rpb is not None and rpb.requires_grad):  # (forward AD: the Function refuses)
             out = (_NA.apply(q, k, v, rpb, *args, ints) if qkv is None else
-                   _NAPacked.apply(qkv, rpb, *args, ints))
+                   _NAPacked.apply(qkv, rpb, (q, k, v), *args, ints))
         else:  # nothing to save for a backward
             out = _forward(q, k, v, rpb, *args, _config(ints))[0]
     else:

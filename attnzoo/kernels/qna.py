@@ -25,14 +25,13 @@ Backward, recomputing the probabilities from the log-sum-exp
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from . import KernelLimits, eager, kernel_op, launch_on_device
+from . import KernelLimits, eager, kernel_op, launch_on_device, once_differentiable
 from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions, to_base2
 
 __all__ = ["qna_fused", "support", "not_supported_reasons", "call_reasons", "LIMITS"]
@@ -258,23 +257,32 @@ def tile(queries: int, head_dim: int) -> tuple:
     return outputs // 8, 8
 
 
-def _grid(batch_heads: int, spatial, geo) -> tuple:
-    return (batch_heads * -(-spatial[0] // geo["TH"]) * -(-spatial[1] // geo["TW"]),)
+class _Geometry(NamedTuple):
+    """A call's launch: its kernels' last arguments, positional (after their tensors and
+    strides; ~15 keywords cost some 1.5 us a launch to pass), and grids."""
+    args: tuple     # heads, H, W, Ho, Wo, L, D, K, STRIDE, TH, TW, BD, LP, SUM_QUERIES
+    outputs: tuple  # the forward's and delta's grid: a program per tile of outputs
+    keys: tuple     # the keys kernel's: a program per tile of keys
+    tiles: int      # the keys kernel's programs per (batch, head): its tables
 
 
-def _geometry(logits, v, kernel_size, stride, sum_queries):
-    """The kernels' sizes and constexprs of a call (computed once per call key; read only)."""
+def _geometry(logits, v, kernel_size, stride, sum_queries) -> _Geometry:
+    """The call's :class:`_Geometry` (computed once per call key; read only)."""
     return _geometry_of(logits.shape, v.shape[-1], kernel_size, stride, sum_queries)
 
 
 @functools.lru_cache(maxsize=1024)
-def _geometry_of(shape, D, kernel_size, stride, sum_queries):
+def _geometry_of(shape, D, kernel_size, stride, sum_queries) -> _Geometry:
     B, H, W, L, heads = shape
     Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
     th, tw = tile(L, D)
-    return dict(heads=heads, H=H, W=W, Ho=Ho, Wo=Wo, L=L, D=D, K=kernel_size,
-                STRIDE=stride, TH=th, TW=tw, BD=pow2(D, 1), LP=pow2(L, 1),
-                SUM_QUERIES=sum_queries, num_warps=NUM_WARPS)
+    tiles = -(-H // th) * -(-W // tw)
+    return _Geometry((heads, H, W, Ho, Wo, L, D, kernel_size, stride, th, tw, pow2(D, 1),
+                      pow2(L, 1), sum_queries),
+                     (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,), tiles)
+
+
+_OPTIONS = dict(num_warps=NUM_WARPS)
 
 
 def _g_strides(g: torch.Tensor, sum_queries: bool) -> tuple:
@@ -299,7 +307,8 @@ def _forward_outputs(logits, v, stride, sum_queries):
 
 
 def _input_gradients(logits, v):
-    return logits.new_empty(logits.shape), v.new_empty(v.shape)
+    return (torch.empty_like(logits, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
 def _backward_outputs(logits, v, rpb):
@@ -311,29 +320,24 @@ def _backward_outputs(logits, v, rpb):
 
 def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
     geo = _geometry(logits, v, kernel_size, stride, sum_queries)
-    B, heads = logits.shape[0], geo["heads"]
     o, lse = _forward_outputs(logits, v, stride, sum_queries)
-    launch_on_device(_qna_fwd_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"]), geo), logits, v,
-                     rpb, ws, o, lse, *logits.stride(), *v.stride(), *_g_strides(o, sum_queries),
-                     **geo)
+    launch_on_device(_qna_fwd_kernel, geo.outputs, logits, v, rpb, ws, o, lse, *logits.stride(),
+                     *v.stride(), *_g_strides(o, sum_queries), *geo.args, **_OPTIONS)
     return o, lse
 
 
 def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries):
     geo = _geometry(logits, v, kernel_size, stride, sum_queries)
-    B, heads = logits.shape[0], geo["heads"]
     g_strides = _g_strides(g, sum_queries)
-    delta = torch.empty_like(lse)
-    launch_on_device(_qna_bwd_delta_kernel, _grid(B * heads, (geo["Ho"], geo["Wo"]), geo),
-                     logits, v, rpb, ws, g, lse, delta, *logits.stride(), *v.stride(), *g_strides,
-                     **geo)
+    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+    launch_on_device(_qna_bwd_delta_kernel, geo.outputs, logits, v, rpb, ws, g, lse, delta,
+                     *logits.stride(), *v.stride(), *g_strides, *geo.args, **_OPTIONS)
     dlogits, dv = _input_gradients(logits, v)
-    grid = _grid(B * heads, (geo["H"], geo["W"]), geo)
     # every program's rpb and window-weight tables (see _qna_bwd_keys_kernel), summed by torch
-    partial = v.new_empty((2, B, grid[0] // (B * heads)) + rpb.shape, dtype=torch.float32)
-    launch_on_device(_qna_bwd_keys_kernel, grid, logits, v, rpb, ws, g, lse, delta, dlogits, dv,
-                     partial[0], partial[1], *logits.stride(), *v.stride(), *g_strides,
-                     *dlogits.stride(), *dv.stride(), **geo)
+    partial = v.new_empty((2, logits.shape[0], geo.tiles) + rpb.shape, dtype=torch.float32)
+    launch_on_device(_qna_bwd_keys_kernel, geo.keys, logits, v, rpb, ws, g, lse, delta, dlogits,
+                     dv, *partial.unbind(0), *logits.stride(), *v.stride(), *g_strides,
+                     *dlogits.stride(), *dv.stride(), *geo.args, **_OPTIONS)
     return dlogits, dv, partial.sum((1, 2))
 
 
@@ -383,7 +387,7 @@ class _QnA(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # (the kernels' gradients have no graph: a double backward raises)
+    @once_differentiable
     def backward(ctx, g):
         return _grads(g, ctx.saved_tensors, ctx.args) + (None,) * 3
 

@@ -26,14 +26,14 @@ products accumulate in fp32.
 """
 from __future__ import annotations
 
+import functools
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from . import KernelLimits, eager, kernel_op, launch_on_device
+from . import KernelLimits, eager, kernel_op, launch_on_device, once_differentiable
 from .tiling import pow2, program_tile, tile_positions
 
 __all__ = ["support", "not_supported_reasons", "call_reasons", "LIMITS",
@@ -281,9 +281,10 @@ def support(device: str, dtype: torch.dtype) -> Optional[str]:
     return "; ".join(not_supported_reasons(device, dtype)) or None
 
 
+@functools.lru_cache(maxsize=1024)
 def _geometry(fp, channels: int) -> dict:
     """The launch's constexprs (``fp``: :class:`attnzoo.ops.san.Footprint`; ``channels``:
-    those the grid's channel blocks cover)."""
+    those the grid's channel blocks cover); computed once per call key, read only."""
     (KH, KW), (DH, DW), (SH, SW), (PH, PW) = fp.kernel_size, fp.dilation, fp.stride, fp.padding
     return dict(KH=KH, KW=KW, DH=DH, DW=DW, SH=SH, SW=SW, PH=PH, PW=PW,
                 REFLECT=fp.padding_mode == "reflect", BC=min(MAX_BC, pow2(channels, 1)),

@@ -840,32 +840,38 @@ backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear,
 # public ops
 # --------------------------------------------------------------------------------------------
 
-def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, fn: str):
-    """:func:`_check_call` once per call metadata (:func:`attnzoo.backends.checked_once`);
-    returns (kernel_size, dilation, the call's keys without and with gradients). Int windows
-    only: a tuple may hold a bool, which equals an int."""
+def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, qkv):
+    """:func:`_check_call` once per call metadata (:func:`attnzoo.backends.checked_once`:
+    ``qkv``'s, whose views q, k and v are, where the call is packed); returns (kernel_size,
+    dilation, the call's keys without and with gradients, whether a tensor is empty). Int
+    windows only: a tuple may hold a bool, which equals an int."""
     def check():
-        ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n, fn)
+        ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n, _NAMES[n, packed])
         return ks, dil, tuple(NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None,
-                                     grad, ks, v.shape[-1]) for grad in (False, True))
+                                     grad, ks, v.shape[-1]) for grad in (False, True)), (
+            q.numel() == 0 or v.numel() == 0)
 
-    tensors = backends.tensors_key(q, k, v, rpb)
+    packed = qkv is not None
+    tensors = backends.tensors_key(qkv, rpb) if packed else backends.tensors_key(q, k, v, rpb)
     key = None
     if type(kernel_size) is int and type(dilation) is int and tensors is not None:
-        key = ("na", n, kernel_size, dilation, type(scale), tensors)
+        key = ("na", n, packed, kernel_size, dilation, type(scale), tensors)
     return backends.checked_once(key, check)
 
 
+_NAMES = {(n, packed): f"na{n}d_qkv" if packed else f"na{n}d" for n in (1, 2)
+          for packed in (False, True)}  # the public ops, for messages
+
+
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv=None):
-    fn = f"na{n}d" if qkv is None else f"na{n}d_qkv"
-    ks, dil, calls = _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n, fn)
+    ks, dil, calls, empty = _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n, qkv)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or rpb is not None and rpb.requires_grad)
     packed = () if qkv is None else (qkv,)  # (na2d's implementations take seven arguments)
-    return backends.dispatch(f"na{n}d", calls[grad], backend, q, k, v, ks, dil, rpb, scale,
-                             *packed)
+    return backends.dispatch(_NAMES[n, False], calls[grad], backend, q, k, v, ks, dil, rpb,
+                             scale, *packed, empty=empty)
 
 
 def _na_qkv(n, qkv, kernel_size, dilation, rpb, scale, backend):

@@ -629,21 +629,24 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
         ``[B, H_out, W_out, heads, head_dim]``, or ``[B, H_out, W_out, L, heads, head_dim]``
         with ``sum_queries=False``; in ``v``'s dtype.
     """
-    def check():  # once per call metadata: returns the call's keys without and with gradients
+    def check():  # once per call metadata: the call's keys without and with gradients, and
+        # whether a tensor is empty
         _check_call(logits, v, kernel_size, stride, rpb, window_weights, sum_queries)
         return tuple(QnACall(str(v.device), v.dtype, kernel_size, stride, sum_queries, grad,
-                             v.shape[-1]) for grad in (False, True))
+                             v.shape[-1]) for grad in (False, True)), (
+            logits.numel() == 0 or v.numel() == 0)
 
     tensors = backends.tensors_key(logits, v, rpb, window_weights)
     key = None  # (exact types: a bool equals an int)
     if type(kernel_size) is int and type(stride) is int and type(sum_queries) is bool \
             and tensors is not None:
         key = ("qna2d", kernel_size, stride, sum_queries, tensors)
-    calls = backends.checked_once(key, check)
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (logits, v, rpb, window_weights))
+    calls, empty = backends.checked_once(key, check)
+    grad = torch.is_grad_enabled() and (
+        logits.requires_grad or v.requires_grad or rpb is not None and rpb.requires_grad
+        or window_weights is not None and window_weights.requires_grad)
     return backends.dispatch("qna2d", calls[grad], backend, logits, v, rpb, window_weights,
-                             kernel_size, stride, sum_queries)
+                             kernel_size, stride, sum_queries, empty=empty)
 
 
 def qna2d_weights(logits: torch.Tensor, *, kernel_size: int, stride: int = 1,
