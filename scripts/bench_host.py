@@ -16,11 +16,12 @@ autograd and forward + backward, microseconds per call, warm (the call key seen 
 beside the torch reference of the same call on meta tensors (its ops' meta functions; QnA's
 reference is one custom op, its fake on meta), and one ``F.scaled_dot_product_attention`` call
 on CPU tensors of ``[1, 1, 1, 8]`` (a fused op's host cost: one dispatch and one kernel), and
-a floor: NA's call reduced to its allocations in an ``autograd.Function``, on the same packed
-qkv (what that design costs before any of attnzoo's Python). NA is called as NAT's and DiNAT's
-layers call it, ``na2d_qkv`` on their qkv projection. A backward runs through 20 calls at
-once, as in a training step (the autograd engine's start is paid once per step). Targets
-(issue 46, warm key): forward <= 25 us, forward + backward <= 60 us.
+a floor per NA call: the call reduced to its allocations in an ``autograd.Function``, on the
+same packed qkv (what that design costs before any of attnzoo's Python; larger allocations cost
+the CPU's allocator more). NA is called as NAT's and DiNAT's layers call it, ``na2d_qkv`` on
+their qkv projection. A backward runs through 20 calls at once, as in a training step (the
+autograd engine's start is paid once per step). Targets (issue 46, warm key): forward <= 25
+us, forward + backward <= 60 us.
 
 ``--steps``: per training step (as timm's train.py: gradients set to None, forward,
 ``logsumexp`` loss, backward; 224 px, launches captured) of each family's tiny model and of
@@ -128,21 +129,33 @@ def _calls(device: str, batch: int) -> Dict[str, Callable[[bool], Callable[[str]
         ("san_subtraction2 san10 s3 14x14 k7", subtraction))}
 
 
-def _us(fn: Callable[[], object], number: int, repeat: int) -> float:
-    """Microseconds per call, the best of ``repeat`` timings of ``number`` calls (after a
-    warm-up: the call key is then warm); on a GPU up to the end of the last call's kernels
-    (at batch 1 the host's time: the GPU waits for it)."""
+def _timing(fn: Callable[[], object], number: int, divisor: int = 1) -> Callable[[], float]:
+    """A timing of ``number`` calls of ``fn``, in microseconds per op call (``divisor`` of them
+    per ``fn``), after a warm-up (the call key is then warm); on a GPU up to the end of the
+    last call's kernels (at batch 1 the host's time: the GPU waits for it)."""
     for _ in range(max(3, number // 10)):
         fn()
-    best = float("inf")
-    for _ in range(repeat):
+
+    def timing() -> float:
         _sync()
         start = time.perf_counter()
         for _ in range(number):
             fn()
         _sync()
-        best = min(best, (time.perf_counter() - start) / number)
-    return best * 1e6
+        return (time.perf_counter() - start) / number / divisor * 1e6
+    return timing
+
+
+def _best(timings: Dict[tuple, Callable[[], float]], repeat: int) -> Dict[tuple, float]:
+    """The best of ``repeat`` timings of each cell, taken in rounds over every cell, so that
+    each cell's timings spread over the whole run: a noisy minute of a shared machine then
+    slows one timing of each cell, not every timing of a few."""
+    best = dict.fromkeys(timings, float("inf"))
+    for r in range(repeat):
+        print(f"round {r + 1}/{repeat}", file=sys.stderr, flush=True)
+        for cell, timing in timings.items():
+            best[cell] = min(best[cell], timing())
+    return best
 
 
 def _sync() -> None:
@@ -194,45 +207,51 @@ def _floor(make):
 
 def measure_calls(number: int, repeat: int) -> List[dict]:
     """The CPU's columns: launches captured (Triton's own launch excluded)."""
-    rows = []
+    timings = {}
     meta, cpu = _calls("meta", 32), _calls("cpu", 1)
     with kernels.capture_launches(arguments=False):
-        for i, (label, make) in enumerate(meta.items()):
+        for i, label in enumerate(meta):
             print(f"[{i + 1}/{len(meta)}] {label}", file=sys.stderr, flush=True)
             for passes in ("fwd", "fwd+bwd"):
-                row = dict(call=label, passes=passes)
                 for column, calls, backend in (("cuda, meta", meta, "cuda"),
                                                ("cuda, cpu", cpu, "cuda"),
                                                ("torch, meta", meta, "torch")):
-                    row[column] = _per_call(calls[label], backend, passes, number, repeat)
-                rows.append(row)
-    for passes in ("fwd", "fwd+bwd"):
-        rows.append({"call": SDPA + ", cpu", "passes": passes,
-                     "cuda, cpu": _per_call(_sdpa("cpu"), None, passes, number, repeat)})
-    rows.append({"call": FLOOR + ", cpu", "passes": "fwd+bwd", "cuda, cpu": _per_call(
-        _floor(next(iter(cpu.values()))), None, "fwd+bwd", number, repeat)})
-    return rows
+                    timings[label, passes, column] = _call_timing(calls[label], backend, passes,
+                                                                  number)
+        for passes in ("fwd", "fwd+bwd"):
+            timings[SDPA + ", cpu", passes, "cuda, cpu"] = _call_timing(_sdpa("cpu"), None,
+                                                                        passes, number)
+        for label in [label for label in cpu if label.startswith("na2d_qkv")]:
+            timings[f"{FLOOR} ({label.split()[1]}'s), cpu", "fwd+bwd", "cuda, cpu"] = (
+                _call_timing(_floor(cpu[label]), None, "fwd+bwd", number))
+        best = _best(timings, repeat)
+    rows: Dict[tuple, dict] = {}
+    for (label, passes, column), us in best.items():
+        rows.setdefault((label, passes), dict(call=label, passes=passes))[column] = us
+    return list(rows.values())
 
 
 def measure_gpu_calls(number: int, repeat: int) -> List[dict]:
     """On a GPU, the whole call at batch 1 (Triton's launch included; the GPU's work is
     microseconds): the kernels, the torch reference, one SDPA call."""
-    rows = []
+    timings = {}
     calls = _calls("cuda", 1)
     for i, (label, make) in enumerate(calls.items()):
         print(f"[{i + 1}/{len(calls)}] {label}", file=sys.stderr, flush=True)
         for passes in ("fwd", "fwd+bwd"):
-            rows.append({"call": label, "passes": passes, **{
-                f"{backend}, gpu": _per_call(make, backend, passes, number, repeat)
-                for backend in ("cuda", "torch")}})
+            for backend in ("cuda", "torch"):
+                timings[label, passes, f"{backend}, gpu"] = _call_timing(make, backend, passes,
+                                                                         number)
     for passes in ("fwd", "fwd+bwd"):
-        rows.append({"call": SDPA, "passes": passes,
-                     "cuda, gpu": _per_call(_sdpa("cuda"), None, passes, number, repeat)})
-    return rows
+        timings[SDPA, passes, "cuda, gpu"] = _call_timing(_sdpa("cuda"), None, passes, number)
+    rows: Dict[tuple, dict] = {}
+    for (label, passes, column), us in _best(timings, repeat).items():
+        rows.setdefault((label, passes), dict(call=label, passes=passes))[column] = us
+    return list(rows.values())
 
 
-def _per_call(make, backend, passes: str, number: int, repeat: int) -> float:
-    """Microseconds per call of ``make(grad)(backend)``: forward under no_grad; forward +
+def _call_timing(make, backend, passes: str, number: int) -> Callable[[], float]:
+    """A timing (:func:`_timing`) of ``make(grad)(backend)``: forward under no_grad; forward +
     backward as a training step runs them, CHAIN calls on inputs of their own and one backward
     through them all (the autograd engine's start, some 50 us on the CPU, and its Python
     checks of each output's gradient, ~4 us, are paid once per step, not per op: the engine is
@@ -245,8 +264,14 @@ def _per_call(make, backend, passes: str, number: int, repeat: int) -> float:
         def call():
             run(backend)
             launches.clear()
+
         with torch.no_grad():  # as around a model's whole forward, not each call
-            return _us(call, number, repeat)
+            timing = _timing(call, number)
+
+        def forward_timing():
+            with torch.no_grad():
+                return timing()
+        return forward_timing
     runs = [make(True) for _ in range(CHAIN)]
     leaves = tuple(t for run in runs for t in run.leaves)
     grads = tuple(torch.empty_like(run(backend)) for run in runs)
@@ -256,7 +281,7 @@ def _per_call(make, backend, passes: str, number: int, repeat: int) -> float:
         engine.run_backward(tuple(run(backend) for run in runs), grads, False, False, leaves,
                             False)
         launches.clear()
-    return _us(chained, max(number // CHAIN, 2), repeat) / CHAIN
+    return _timing(chained, max(number // CHAIN, 2), CHAIN)
 
 
 class _Count(torch.utils._python_dispatch.TorchDispatchMode):
@@ -361,7 +386,8 @@ def calls_table(rows: List[dict], argv: List[str]) -> str:
             "and on CPU tensors (batch 1); the torch reference on meta tensors")
     lines = [f"`python scripts/bench_host.py {' '.join(argv)}`".replace(" `", "`"),
              "", f"Host microseconds per call, warm key, {what}; a backward through {CHAIN} "
-             "calls, as in a training step. Targets (issue 46): forward <= 25 us, forward + "
+             "calls, as in a training step; the best of --repeat timings per cell, taken in "
+             "rounds over every cell. Targets (issue 46): forward <= 25 us, forward + "
              "backward <= 60 us" + (" (CPU); NA at 7x7: <= 50 us, <= 300 us (GPU)." if gpu
                                     else "."), "",
              "| call | pass | " + " | ".join(columns) + " | target |",
