@@ -48,11 +48,8 @@ _SCRIPT = textwrap.dedent("""
 
     kn._TUNER.bench = bench
     run = kn._run
-    def named(kernel, a, kw):
-        return kernels.launch_arguments(kernel, a, kw)
-
     kn._run = lambda kernel, grid, *a, warmup=False, **kw: (
-        chosen.append(tuple(named(kernel, a, kw)[n] for n in
+        chosen.append(tuple(kernels.launch_arguments(kernel, a, kw)[n] for n in
                             ("TH", "TW", "BN", "num_warps", "num_stages")))
         if not warmup else None, run(kernel, grid, *a, warmup=warmup, **kw))[1]
     q = torch.randn(1, 8, 8, 1, 16)

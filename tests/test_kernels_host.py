@@ -75,6 +75,24 @@ def test_a_warm_key_plans_nothing_again(monkeypatch):
     assert sorted(plans) == ["dkdv", "dq", "fwd"]  # the first call's three kernels, once each
 
 
+@pytest.mark.parametrize("op", ["na2d", "na2d_qkv"])
+def test_a_call_looks_up_its_plans_once_and_launches_them_positionally(op, monkeypatch):
+    """A call's forward looks its key's plans up and hands them to its backward; each launch
+    passes the kernel's arguments positionally, its options (warps, stages) by keyword."""
+    lookups, keywords = [], []
+    call_plans, run = kn._call_plans, kn._run
+    monkeypatch.setattr(kn, "_call_plans", lambda *a: lookups.append(1) or call_plans(*a))
+    monkeypatch.setattr(kn, "_run", lambda kernel, grid, *a, **kw: keywords.append(sorted(kw))
+                        or run(kernel, grid, *a, **kw))
+    fn, shapes = CALLS[op]
+    inputs = _leaves(*shapes)
+    for _ in range(2):
+        out = fn(*inputs)
+        torch.autograd.grad(out.sum(), inputs)
+    assert len(lookups) == 2  # one per call, forward and backward
+    assert keywords[-3:] == [["num_stages", "num_warps", "warmup"]] * 3
+
+
 def test_an_untuned_choice_is_kept_only_where_no_call_will_tune(monkeypatch):
     """Where tuning will happen on a later call (compiled kernels) but cannot now (tracing,
     capturing a CUDA graph), the default configuration runs and is not kept: the next call
