@@ -146,16 +146,20 @@ def _timing(fn: Callable[[], object], number: int, divisor: int = 1) -> Callable
     return timing
 
 
-def _best(timings: Dict[tuple, Callable[[], float]], repeat: int) -> Dict[tuple, float]:
-    """The best of ``repeat`` timings of each cell, taken in rounds over every cell, so that
-    each cell's timings spread over the whole run: a noisy minute of a shared machine then
-    slows one timing of each cell, not every timing of a few."""
+def _best_rows(timings: Dict[tuple, Callable[[], float]], repeat: int) -> List[dict]:
+    """The table's rows (``call``, ``passes`` and a value per column) of the best of
+    ``repeat`` timings of each cell ``(call, passes, column)``, taken in rounds over every cell,
+    so that each cell's timings spread over the whole run: a noisy minute of a shared machine
+    then slows one timing of each cell, not every timing of a few."""
     best = dict.fromkeys(timings, float("inf"))
     for r in range(repeat):
         print(f"round {r + 1}/{repeat}", file=sys.stderr, flush=True)
         for cell, timing in timings.items():
             best[cell] = min(best[cell], timing())
-    return best
+    rows: Dict[tuple, dict] = {}
+    for (call, passes, column), us in best.items():
+        rows.setdefault((call, passes), dict(call=call, passes=passes))[column] = us
+    return list(rows.values())
 
 
 def _sync() -> None:
@@ -224,11 +228,7 @@ def measure_calls(number: int, repeat: int) -> List[dict]:
         for label in [label for label in cpu if label.startswith("na2d_qkv")]:
             timings[f"{FLOOR} ({label.split()[1]}'s), cpu", "fwd+bwd", "cuda, cpu"] = (
                 _call_timing(_floor(cpu[label]), None, "fwd+bwd", number))
-        best = _best(timings, repeat)
-    rows: Dict[tuple, dict] = {}
-    for (label, passes, column), us in best.items():
-        rows.setdefault((label, passes), dict(call=label, passes=passes))[column] = us
-    return list(rows.values())
+        return _best_rows(timings, repeat)
 
 
 def measure_gpu_calls(number: int, repeat: int) -> List[dict]:
@@ -244,10 +244,7 @@ def measure_gpu_calls(number: int, repeat: int) -> List[dict]:
                                                                          number)
     for passes in ("fwd", "fwd+bwd"):
         timings[SDPA, passes, "cuda, gpu"] = _call_timing(_sdpa("cuda"), None, passes, number)
-    rows: Dict[tuple, dict] = {}
-    for (label, passes, column), us in _best(timings, repeat).items():
-        rows.setdefault((label, passes), dict(call=label, passes=passes))[column] = us
-    return list(rows.values())
+    return _best_rows(timings, repeat)
 
 
 def _call_timing(make, backend, passes: str, number: int) -> Callable[[], float]:
