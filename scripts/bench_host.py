@@ -10,8 +10,9 @@ autograd and forward + backward, microseconds per call, warm (the call key seen 
 * ``meta``: on meta tensors, as scripts/compile_kernels.py captures launches; torch's meta
   functions of allocations and reductions are Python, so this overstates what a GPU's C++
   allocator costs;
-* ``cpu``: on CPU tensors of the same call at batch 1 (C++ allocations, as on a GPU; the small
-  torch work of the call, such as the rpb gradient's sum, is computed);
+* ``cpu``: on CPU tensors of the same call at batch 1 (C++ allocations, as on a GPU, glibc's
+  malloc told to keep freed memory as torch's CUDA caching allocator does: ``caching_malloc``;
+  the small torch work of the call, such as the rpb gradient's sum, is computed);
 
 beside the torch reference of the same call on meta tensors (its ops' meta functions; QnA's
 reference is one custom op, its fake on meta), and one ``F.scaled_dot_product_attention`` call
@@ -160,6 +161,22 @@ def _best_rows(timings: Dict[tuple, Callable[[], float]], repeat: int) -> List[d
     for (call, passes, column), us in best.items():
         rows.setdefault((call, passes), dict(call=call, passes=passes))[column] = us
     return list(rows.values())
+
+
+def caching_malloc() -> bool:
+    """Tell glibc's malloc to keep freed memory, as torch's CUDA caching allocator does: by
+    default it returns the top of its heap to the OS (``brk``) and maps larger blocks afresh,
+    so that a call's allocations cost a few microseconds more or less with the heap's state
+    (some 6 us of an NA call's 60, varying run to run) where a GPU's host pays a cache lookup.
+    Both thresholds set (the mmap one to glibc's 32 MiB maximum) also stop glibc adapting them.
+    False where the C library is not glibc."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's C library
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def _sync() -> None:
@@ -374,13 +391,16 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def calls_table(rows: List[dict], argv: List[str]) -> str:
+def calls_table(rows: List[dict], argv: List[str], caching: bool = False) -> str:
+    """``caching``: glibc's malloc kept freed memory (:func:`caching_malloc`)."""
     gpu = any("cuda, gpu" in r for r in rows)
     columns = ["cuda, gpu", "torch, gpu"] if gpu else ["cuda, meta", "cuda, cpu", "torch, meta"]
     what = ("on the GPU (" + torch.cuda.get_device_name() + "), CUDA tensors at batch 1, each "
             "call whole (Triton's launch included) up to its kernels' end" if gpu else
             "launches captured (Triton's own launch excluded); cuda on meta tensors (batch 32) "
-            "and on CPU tensors (batch 1); the torch reference on meta tensors")
+            "and on CPU tensors (batch 1" + ("; glibc's malloc keeping freed memory, as a "
+                                             "caching allocator" if caching else "") +
+            "); the torch reference on meta tensors")
     lines = [f"`python scripts/bench_host.py {' '.join(argv)}`".replace(" `", "`"),
              "", f"Host microseconds per call, warm key, {what}; a backward through {CHAIN} "
              "calls, as in a training step; the best of --repeat timings per cell, taken in "
@@ -441,16 +461,23 @@ def main(argv: List[str] = None) -> int:
                    help="cuda: each call whole on the GPU, Triton's launch included (no "
                         "step table)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--glibc-trimming", action="store_true",
+                   help="leave glibc's malloc returning freed memory to the OS (default on "
+                        "CPU: it keeps it, as a GPU's caching allocator does)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
     shown = [a for a in argv if a not in ("--write", args.write, "--json", args.json)]
+    caching = False
     if args.device == "cuda":
         rows = measure_gpu_calls(args.number, args.repeat)
     else:
+        caching = not args.glibc_trimming and caching_malloc()
+        print("glibc's malloc keeps freed memory (a caching allocator)" if caching else
+              "the C library's malloc as it is", file=sys.stderr)
         _kernels_on_any_device()
         rows = measure_calls(args.number, args.repeat)
-    text = calls_table(rows, shown)
+    text = calls_table(rows, shown, caching)
     steps = []
     if args.steps and args.device == "cpu":
         steps = measure_steps(args.models, args.batch, max(args.repeat // 2, 1))

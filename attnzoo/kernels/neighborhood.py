@@ -509,14 +509,20 @@ class _Plan(NamedTuple):
     options: dict      # num_warps, num_stages
 
 
-# A call key's plans by kernel ("fwd", "dq", "dkdv"): looked up once per call, in its forward
-# (:func:`_call_plans`), whose autograd context hands them to the backward.
-_PLANS: Dict[tuple, Dict[str, _Plan]] = {}
+class _CallPlans(dict):
+    """A call key's plans by kernel ("fwd", "dq", "dkdv"), filled in by :func:`_launch`, and
+    ``shapes``, its forward's outputs' (:func:`_output_shapes`)."""
+    __slots__ = ("shapes",)
+
+
+# The call keys' plans: looked up once per call, in its forward (:func:`_call_plans`), whose
+# autograd context hands them to the backward.
+_PLANS: Dict[tuple, _CallPlans] = {}
 _KERNELS = {"fwd": _na_fwd_kernel, "dq": _na_bwd_dq_kernel, "dkdv": _na_bwd_dkdv_kernel}
 
 
 def _call_plans(q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool,
-                config: Optional[Config]) -> Dict[str, _Plan]:
+                config: Optional[Config]) -> _CallPlans:
     """The plans of this call's key (shape, head dims, kernel size, dilation, dtype, precision,
     bias, device, forced config, deterministic mode), filled in by :func:`_launch`."""
     key = (q.shape, v.shape[-1], kernel_size, dilation, q.dtype,
@@ -524,11 +530,12 @@ def _call_plans(q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb
            torch.are_deterministic_algorithms_enabled())
     plans = _PLANS.get(key)
     if plans is None:
-        plans = _PLANS[key] = {}
+        plans = _PLANS[key] = _CallPlans()
+        plans.shapes = _output_shapes(q.shape, v.shape[-1])
     return plans
 
 
-def _launch(kernel: str, plans: Dict[str, _Plan], q: torch.Tensor, v: torch.Tensor,
+def _launch(kernel: str, plans: _CallPlans, q: torch.Tensor, v: torch.Tensor,
             kernel_size, dilation, has_rpb: bool, config: Optional[Config],
             run: Callable[..., Any]) -> None:
     """Launch ``kernel`` for this call: ``run(plan, warmup)`` with its :class:`_Plan` from
@@ -593,11 +600,16 @@ def _plan(kernel, plans, q, v, kernel_size, dilation, has_rpb, config, run) -> _
 # implementations alike, so that a compiled graph is told the very sizes, strides and dtypes the
 # kernels return: every output contiguous, whatever the inputs' strides.
 
-def _forward_outputs(q, v):
-    """o ``[B, H, W, heads, dv]`` in q's dtype and the log-sum-exp ``[B, heads, H, W]``."""
-    B, H, W, heads, _ = q.shape
-    return (q.new_empty((B, H, W, heads, v.shape[-1])),
-            q.new_empty((B, heads, H, W), dtype=torch.float32))
+def _output_shapes(shape, dv) -> tuple:
+    """o's shape ``[B, H, W, heads, dv]`` and the log-sum-exp's ``[B, heads, H, W]``, of a call
+    on q of ``shape`` (sizes symbolic in a trace)."""
+    B, H, W, heads, _ = shape
+    return (B, H, W, heads, dv), (B, heads, H, W)
+
+
+def _forward_outputs(q, shapes):
+    """o in q's dtype and the log-sum-exp in float32, of ``shapes`` (:func:`_output_shapes`)."""
+    return q.new_empty(shapes[0]), q.new_empty(shapes[1], dtype=torch.float32)
 
 
 def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool, dqkv=None):
@@ -614,8 +626,8 @@ def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool, dqkv=None):
 
 def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
     """o and lse, and the call's plans (:func:`_call_plans`, for its backward)."""
-    o, lse = _forward_outputs(q, v)
     plans = _call_plans(q, v, kernel_size, dilation, rpb is not None, config)
+    o, lse = _forward_outputs(q, plans.shapes)
     _launch("fwd", plans, q, v, kernel_size, dilation, rpb is not None, config,
             lambda plan, warmup: _run(
                 _na_fwd_kernel, plan.grid, q, k, v, q if rpb is None else rpb, o, lse,
@@ -683,7 +695,7 @@ _na_op = kernel_op(
     "na_fused", _na_impl,
     "(Tensor q, Tensor k, Tensor v, Tensor? rpb, int[] kernel_size, int[] dilation, float scale, "
     "int[] config) -> (Tensor, Tensor)",
-    lambda q, k, v, *_: _forward_outputs(q, v))
+    lambda q, k, v, *_: _forward_outputs(q, _output_shapes(q.shape, v.shape[-1])))
 
 
 def _na_backward_impl(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, rpb_grad,

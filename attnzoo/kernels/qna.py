@@ -181,7 +181,7 @@ def _qna_bwd_delta_kernel(
 
 @triton.jit
 def _qna_bwd_keys_kernel(
-        LOGITS, V, RPB, WS, G, LSE, DELTA, DLOGITS, DV, DRPB, DWS,
+        LOGITS, V, RPB, WS, G, LSE, DELTA, DLOGITS, DV, TABLES,
         slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sgb, sgy, sgx, sgl, sgh, sgd,
         sdlb, sdly, sdlx, sdll, sdlh, sdvb, sdvy, sdvx, sdvh, sdvd,
         heads, H, W, Ho, Wo, L, D,
@@ -197,10 +197,14 @@ def _qna_bwd_keys_kernel(
                 other=0.).to(tl.float32)
     dv = tl.zeros([TH * TW, BD], tl.float32)
     dz_total = tl.zeros([LP, TH * TW], tl.float32)
-    # this program's tables in [batch, tile, L, heads, K*K] (its tile: program_tile's, innermost):
-    # summed over batch and tile, they are the [L, heads, K, K] gradients, contiguous
+    # this program's tables in TABLES [2, batch, tile, L, heads, K*K], the rpb's then the window
+    # weights' (its tile: program_tile's, innermost): summed over batch and tile, they are the
+    # [L, heads, K, K] gradients, contiguous. A program per (batch, head, tile): the window
+    # weights' half starts programs * L * K*K entries in.
     n_tiles = tl.cdiv(H, TH) * tl.cdiv(W, TW)
     partial = (b * n_tiles + tl.program_id(0) % n_tiles) * L * heads * K * K + table
+    DRPB = TABLES + partial
+    DWS = DRPB + tl.num_programs(0).to(tl.int64) * L * K * K
     for t in range(0, K * K):
         ny = ky - t // K + (K - 1) // 2   # out * stride
         nx = kx - t % K + (K - 1) // 2
@@ -221,8 +225,8 @@ def _qna_bwd_keys_kernel(
         dz = p * (w[:, None] * gv - delta)
         dz_total += dz
         dv += tl.sum((p * w[:, None])[:, :, None] * g, 0)
-        tl.store(DRPB + partial + t, tl.sum(dz, 1), mask=q_ok)
-        tl.store(DWS + partial + t, tl.sum(p * gv, 1), mask=q_ok)
+        tl.store(DRPB + t, tl.sum(dz, 1), mask=q_ok)
+        tl.store(DWS + t, tl.sum(p * gv, 1), mask=q_ok)
     tl.store(_per_query(DLOGITS + b * sdlb + h * sdlh, q, sdll, ky, kx, sdly, sdlx),
              dz_total.to(DLOGITS.dtype.element_ty), mask=key_ok)
     store_rows(DV + b * sdvb + h * sdvh, dv, ky, kx, sdvy, sdvx, sdvd, valid, D, BD)
@@ -259,11 +263,12 @@ def tile(queries: int, head_dim: int) -> tuple:
 
 class _Geometry(NamedTuple):
     """A call's launch: its kernels' last arguments, positional (after their tensors and
-    strides; ~15 keywords cost some 1.5 us a launch to pass), and grids."""
+    strides; ~15 keywords cost some 1.5 us a launch to pass), grids and allocations' shapes."""
     args: tuple     # heads, H, W, Ho, Wo, L, D, K, STRIDE, TH, TW, BD, LP, SUM_QUERIES
     outputs: tuple  # the forward's and delta's grid: a program per tile of outputs
     keys: tuple     # the keys kernel's: a program per tile of keys
-    tiles: int      # the keys kernel's programs per (batch, head): its tables
+    shapes: tuple   # the output's and the log-sum-exp's (_output_shapes)
+    tables: tuple   # the keys kernel's rpb and window-weight tables: [2, B, tiles, L, heads, k, k]
 
 
 def _geometry(logits, v, kernel_size, stride, sum_queries) -> _Geometry:
@@ -279,7 +284,17 @@ def _geometry_of(shape, D, kernel_size, stride, sum_queries) -> _Geometry:
     tiles = -(-H // th) * -(-W // tw)
     return _Geometry((heads, H, W, Ho, Wo, L, D, kernel_size, stride, th, tw, pow2(D, 1),
                       pow2(L, 1), sum_queries),
-                     (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,), tiles)
+                     (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,),
+                     _output_shapes(tuple(shape), D, stride, sum_queries),
+                     (2, B, tiles, L, heads, kernel_size, kernel_size))
+
+
+def _output_shapes(shape: tuple, D, stride: int, sum_queries: bool) -> tuple:
+    """The output's shape ``[B, Ho, Wo, (L,) heads, D]`` and the log-sum-exp's
+    ``[B, Ho, Wo, L, heads]``, of a call on logits of ``shape`` (sizes symbolic in a trace)."""
+    B, H, W, L, heads = shape
+    Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
+    return (B, Ho, Wo) + ((heads,) if sum_queries else (L, heads)) + (D,), (B, Ho, Wo, L, heads)
 
 
 _OPTIONS = dict(num_warps=NUM_WARPS)
@@ -297,13 +312,10 @@ def _g_strides(g: torch.Tensor, sum_queries: bool) -> tuple:
 # implementations alike, so that a compiled graph is told the very sizes, strides and dtypes the
 # kernels return: every output contiguous, whatever the inputs' strides.
 
-def _forward_outputs(logits, v, stride, sum_queries):
-    """The output ``[B, Ho, Wo, (L,) heads, d]`` in v's dtype and the log-sum-exp
-    ``[B, Ho, Wo, L, heads]`` in float32."""
-    B, H, W, L, heads = logits.shape
-    Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
-    return (v.new_empty((B, Ho, Wo) + ((heads,) if sum_queries else (L, heads)) + v.shape[-1:]),
-            v.new_empty((B, Ho, Wo, L, heads), dtype=torch.float32))
+def _forward_outputs(v, shapes):
+    """The output in v's dtype and the log-sum-exp in float32, of ``shapes``
+    (:func:`_output_shapes`)."""
+    return v.new_empty(shapes[0]), v.new_empty(shapes[1], dtype=torch.float32)
 
 
 def _input_gradients(logits, v):
@@ -319,36 +331,43 @@ def _backward_outputs(logits, v, rpb):
 
 
 def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
+    """The output and the log-sum-exp, and the call's :class:`_Geometry` (for its backward)."""
     geo = _geometry(logits, v, kernel_size, stride, sum_queries)
-    o, lse = _forward_outputs(logits, v, stride, sum_queries)
+    o, lse = _forward_outputs(v, geo.shapes)
     launch_on_device(_qna_fwd_kernel, geo.outputs, logits, v, rpb, ws, o, lse, *logits.stride(),
                      *v.stride(), *_g_strides(o, sum_queries), *geo.args, **_OPTIONS)
-    return o, lse
+    return o, lse, geo
 
 
-def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries):
-    geo = _geometry(logits, v, kernel_size, stride, sum_queries)
+def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries, geo=None):
+    """The gradients of :func:`_backward_outputs`; ``geo``: the forward's, or None."""
+    if geo is None:
+        geo = _geometry(logits, v, kernel_size, stride, sum_queries)
     g_strides = _g_strides(g, sum_queries)
     delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
     launch_on_device(_qna_bwd_delta_kernel, geo.outputs, logits, v, rpb, ws, g, lse, delta,
                      *logits.stride(), *v.stride(), *g_strides, *geo.args, **_OPTIONS)
     dlogits, dv = _input_gradients(logits, v)
     # every program's rpb and window-weight tables (see _qna_bwd_keys_kernel), summed by torch
-    partial = v.new_empty((2, logits.shape[0], geo.tiles) + rpb.shape, dtype=torch.float32)
+    tables = v.new_empty(geo.tables, dtype=torch.float32)
     launch_on_device(_qna_bwd_keys_kernel, geo.keys, logits, v, rpb, ws, g, lse, delta, dlogits,
-                     dv, *partial.unbind(0), *logits.stride(), *v.stride(), *g_strides,
-                     *dlogits.stride(), *dv.stride(), *geo.args, **_OPTIONS)
-    return dlogits, dv, partial.sum((1, 2))
+                     dv, tables, *logits.stride(), *v.stride(), *g_strides, *dlogits.stride(),
+                     *dv.stride(), *geo.args, **_OPTIONS)
+    return dlogits, dv, tables.sum((1, 2))
 
 
 # The passes as custom ops (kernels.kernel_op), forward and backward.
 
+def _qna_impl(logits, v, rpb, ws, kernel_size, stride, sum_queries):
+    return _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries)[:2]
+
+
 _qna_op = kernel_op(
-    "qna_fused", _forward,
+    "qna_fused", _qna_impl,
     "(Tensor logits, Tensor v, Tensor rpb, Tensor ws, int kernel_size, int stride, "
     "bool sum_queries) -> (Tensor, Tensor)",
     lambda logits, v, rpb, ws, kernel_size, stride, sum_queries: _forward_outputs(
-        logits, v, stride, sum_queries))
+        v, _output_shapes(logits.shape, v.shape[-1], stride, sum_queries)))
 _qna_backward_op = kernel_op(
     "qna_fused_backward", _backward,
     "(Tensor g, Tensor logits, Tensor v, Tensor rpb, Tensor ws, Tensor lse, int kernel_size, "
@@ -362,10 +381,13 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (kernel_size, stride, sum_queries)
 
 
-def _grads(g, saved, args):
-    """The gradients of logits, v, rpb and window weights from the forward's saved tensors."""
-    backward = _backward if eager(g) else _qna_backward_op  # traced: the op
-    dlogits, dv, tables = backward(g, *saved, *args)
+def _grads(g, saved, args, geo=None):
+    """The gradients of logits, v, rpb and window weights from the forward's saved tensors;
+    ``geo``: the forward's :class:`_Geometry`, where it ran eagerly."""
+    if eager(g):
+        dlogits, dv, tables = _backward(g, *saved, *args, geo)
+    else:  # traced: the op
+        dlogits, dv, tables = _qna_backward_op(g, *saved, *args)
     return (dlogits, dv, *tables.unbind(0))
 
 
@@ -381,7 +403,7 @@ class _QnA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, v, rpb, ws, kernel_size, stride, sum_queries):
-        out, lse = _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries)
+        out, lse, ctx.geo = _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries)
         ctx.save_for_backward(logits, v, rpb, ws, lse)
         ctx.args = (kernel_size, stride, sum_queries)
         return out
@@ -389,7 +411,7 @@ class _QnA(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        return _grads(g, ctx.saved_tensors, ctx.args) + (None,) * 3
+        return _grads(g, ctx.saved_tensors, ctx.args, ctx.geo) + (None,) * 3
 
 
 def qna_fused(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor],
@@ -398,11 +420,11 @@ def qna_fused(logits: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor]
     """The ``cuda`` backend of ``qna2d``: arguments as :func:`attnzoo.ops.qna.qna2d_reference`
     (already validated). The rpb and window weights are used in float32, as the reference's
     compute dtype for half-precision inputs; their gradients come back in their own dtype."""
-    L, heads = logits.shape[-2:]
-    shape = (L, heads, kernel_size, kernel_size)
-    rpb = logits.new_zeros(shape) if rpb is None else rpb
-    ws = logits.new_ones(shape) if window_weights is None else window_weights
-    rpb, ws = rpb.float().contiguous(), ws.float().contiguous()
+    if rpb is None or window_weights is None:
+        shape = (*logits.shape[-2:], kernel_size, kernel_size)
+        rpb = logits.new_zeros(shape) if rpb is None else rpb
+        window_weights = logits.new_ones(shape) if window_weights is None else window_weights
+    rpb, ws = rpb.float().contiguous(), window_weights.float().contiguous()
     if eager(logits):
         return _QnA.apply(logits, v, rpb, ws, kernel_size, stride, sum_queries)
     return _qna_op(logits, v, rpb, ws, kernel_size, stride, sum_queries)[0]
