@@ -746,8 +746,9 @@ def _cuda_limits(call: NACall) -> Optional[str]:
 
 
 def _na_cuda(q, k, v, kernel_size, dilation, rpb, scale, qkv=None):
-    from ..kernels.neighborhood import na_fused
-    return na_fused(q, k, v, kernel_size, dilation, rpb, scale, qkv=qkv)
+    # the kernel module: imported by _cuda_support, which resolving the call's backend ran
+    # first (an import statement here costs ~1 us a call)
+    return kernels.neighborhood.na_fused(q, k, v, kernel_size, dilation, rpb, scale, qkv=qkv)
 
 
 def _kernels_trusted(call: NACall) -> Optional[str]:

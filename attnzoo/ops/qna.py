@@ -474,8 +474,9 @@ def _cuda_limits(call: QnACall) -> Optional[str]:
 
 
 def _qna_cuda(logits, v, rpb, window_weights, kernel_size, stride, sum_queries):
-    from ..kernels.qna import qna_fused
-    return qna_fused(logits, v, rpb, window_weights, kernel_size, stride, sum_queries)
+    # (imported by _cuda_support, as neighborhood._na_cuda says)
+    return kernels.qna.qna_fused(logits, v, rpb, window_weights, kernel_size, stride,
+                                 sum_queries)
 
 
 def _kernels_trusted(call: QnACall) -> Optional[str]:

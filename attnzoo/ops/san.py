@@ -434,9 +434,11 @@ def _cuda_limits(call: SANCall) -> Optional[str]:
 
 
 def _cuda(op: str):
+    name = f"{op}_fused"
+
     def impl(*args):
-        from ..kernels import san as kernel
-        return getattr(kernel, f"{op}_fused")(*args)
+        # (imported by _cuda_support, as neighborhood._na_cuda says)
+        return getattr(kernels.san, name)(*args)
     return impl
 
 
