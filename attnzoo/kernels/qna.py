@@ -279,13 +279,13 @@ def _geometry(logits, v, kernel_size, stride, sum_queries) -> _Geometry:
 @functools.lru_cache(maxsize=1024)
 def _geometry_of(shape, D, kernel_size, stride, sum_queries) -> _Geometry:
     B, H, W, L, heads = shape
-    Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
+    shapes = _output_shapes(tuple(shape), D, stride, sum_queries)
+    Ho, Wo = shapes[1][1:3]
     th, tw = tile(L, D)
     tiles = -(-H // th) * -(-W // tw)
     return _Geometry((heads, H, W, Ho, Wo, L, D, kernel_size, stride, th, tw, pow2(D, 1),
                       pow2(L, 1), sum_queries),
-                     (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,),
-                     _output_shapes(tuple(shape), D, stride, sum_queries),
+                     (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,), shapes,
                      (2, B, tiles, L, heads, kernel_size, kernel_size))
 
 
