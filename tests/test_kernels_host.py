@@ -64,6 +64,36 @@ def test_a_double_backward_through_the_kernels_raises(op):
         (out.sum() + sum(g.square().sum() for g in grads)).backward()
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("shape", [(2, 3, 4), (3, 1, 5), (2, 0, 3), (0,), ()])
+def test_an_allocation_is_a_new_contiguous_tensor_each_call(shape, device):
+    alloc = kernels.allocation(shape, torch.float16, torch.device(device))
+    a, b = alloc(), alloc()
+    like = torch.empty(shape)  # torch's own contiguous strides (a 0-size dim counts as 1)
+    for t in (a, b):
+        assert (t.shape, t.stride(), t.dtype, t.device.type) == (
+            like.shape, like.stride(), torch.float16, device)
+    assert device == "meta" or a.numel() == 0 or a.data_ptr() != b.data_ptr()
+
+
+@pytest.mark.parametrize("op", CALLS)
+def test_a_warm_call_allocates_only_through_empty_strided(op):
+    """The host code's tensors come from allocations bound once per call key
+    (kernels.allocation): no ``new_empty`` or ``empty_like``, whose meta functions are Python
+    (5-6 us a tensor where launches are captured on meta), and every output and input gradient
+    is contiguous. (Launches captured: the interpreter allocates as it runs them.)"""
+    fn, shapes = CALLS[op]
+    inputs = _leaves(*shapes)
+    torch.autograd.grad(fn(*inputs).sum(), inputs)  # the key warm
+    with kernels.capture_launches(arguments=False), DispatchedOps() as seen:
+        out = fn(*inputs)
+        grads = torch.autograd.grad(out.square().sum(), inputs)
+    allocations = {n for n in seen.names if "empty" in n}
+    assert allocations <= {"aten.empty_strided.default", "aten.empty.memory_format"}, allocations
+    assert "aten.empty_strided.default" in allocations
+    assert all(t.is_contiguous() for t in (out, *grads))
+
+
 def test_a_warm_key_plans_nothing_again(monkeypatch):
     plans = []
     plan = kn._plan

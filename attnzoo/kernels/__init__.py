@@ -67,7 +67,7 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
            "Autotuner", "Verification", "records", "record_files", "verified", "unverified",
            "launch_on_device", "capture_launches", "capturing", "kernel_op", "eager", "can_tune",
-           "will_tune", "TuningStore", "tuning_cache_path", "tuning_scope"]
+           "will_tune", "TuningStore", "tuning_cache_path", "tuning_scope", "allocation"]
 
 _logger = logging.getLogger(__name__)
 
@@ -263,6 +263,24 @@ def eager(tensor: torch.Tensor) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@functools.lru_cache(maxsize=4096)
+def allocation(shape: Tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> Callable[[], torch.Tensor]:
+    """A contiguous tensor's allocation with its arguments bound, looked up once per call key
+    (and cached per shape, dtype and device): ``allocation(...)()`` is a new uninitialised
+    tensor. ``torch.empty_strided`` called from C (a partial of a builtin): ~1 us a tensor on
+    CPU and on meta tensors alike, where ``new_empty`` and ``empty_like`` take 1.1-1.4 us on
+    CPU and 5-6 on meta (their meta functions are Python). The custom ops' fake
+    implementations allocate the same shapes, dtypes and (contiguous) strides with
+    ``new_empty``, on symbolic sizes (opcheck compares them)."""
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)  # torch's contiguous strides: a 0-size dim counts as 1
+    return functools.partial(torch.empty_strided, tuple(shape), tuple(reversed(strides)),
+                             dtype=dtype, device=device)
 
 
 def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:

@@ -36,8 +36,9 @@ import triton
 import triton.language as tl
 from torch.autograd import forward_ad
 
-from . import (Autotuner, KernelLimits, TuningStore, can_tune, device_info, eager, kernel_op,
-               launch_on_device, once_differentiable, tiling, tuning_scope, will_tune)
+from . import (Autotuner, KernelLimits, TuningStore, allocation, can_tune, device_info, eager,
+               kernel_op, launch_on_device, once_differentiable, tiling, tuning_scope,
+               will_tune)
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, round_to, store_rows,
@@ -509,10 +510,36 @@ class _Plan(NamedTuple):
     options: dict      # num_warps, num_stages
 
 
+class _Allocations(NamedTuple):
+    """A call key's tensors (:func:`~attnzoo.kernels.allocation`), contiguous: the outputs o
+    and lse (:func:`_output_shapes`; delta is lse's like), q's and v's gradients, the packed
+    qkv's, the rpb's (None without an rpb) and an empty stand-in per dtype (``empty``: q's,
+    ``empty32``: float32). As :func:`_forward_outputs` and :func:`_backward_outputs` make
+    them for a trace."""
+    o: Callable[[], torch.Tensor]
+    lse: Callable[[], torch.Tensor]
+    q: Callable[[], torch.Tensor]
+    v: Callable[[], torch.Tensor]
+    qkv: Callable[[], torch.Tensor]
+    rpb: Optional[Callable[[], torch.Tensor]]
+    empty: Callable[[], torch.Tensor]
+    empty32: Callable[[], torch.Tensor]
+
+
+def _allocations(q: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor]) -> _Allocations:
+    B, H, W, heads, D = q.shape
+    o, lse = _output_shapes(q.shape, v.shape[-1])
+    return _Allocations(*(allocation(shape, dtype, q.device) for shape, dtype in (
+        (o, q.dtype), (lse, torch.float32), (q.shape, q.dtype), (v.shape, q.dtype),
+        ((B, H, W, 3, heads, D), q.dtype))),
+        None if rpb is None else allocation(rpb.shape, rpb.dtype, q.device),
+        allocation((0,), q.dtype, q.device), allocation((0,), torch.float32, q.device))
+
+
 class _CallPlans(dict):
     """A call key's plans by kernel ("fwd", "dq", "dkdv"), filled in by :func:`_launch`, and
-    ``shapes``, its forward's outputs' (:func:`_output_shapes`)."""
-    __slots__ = ("shapes",)
+    ``alloc``, its tensors' :class:`_Allocations`."""
+    __slots__ = ("alloc",)
 
 
 # The call keys' plans: looked up once per call, in its forward (:func:`_call_plans`), whose
@@ -521,17 +548,18 @@ _PLANS: Dict[tuple, _CallPlans] = {}
 _KERNELS = {"fwd": _na_fwd_kernel, "dq": _na_bwd_dq_kernel, "dkdv": _na_bwd_dkdv_kernel}
 
 
-def _call_plans(q: torch.Tensor, v: torch.Tensor, kernel_size, dilation, has_rpb: bool,
-                config: Optional[Config]) -> _CallPlans:
+def _call_plans(q: torch.Tensor, v: torch.Tensor, kernel_size, dilation,
+                rpb: Optional[torch.Tensor], config: Optional[Config]) -> _CallPlans:
     """The plans of this call's key (shape, head dims, kernel size, dilation, dtype, precision,
-    bias, device, forced config, deterministic mode), filled in by :func:`_launch`."""
+    the bias's dtype, device, forced config, deterministic mode), filled in by
+    :func:`_launch`."""
     key = (q.shape, v.shape[-1], kernel_size, dilation, q.dtype,
-           dot_precision(q.dtype, tiling.INTERPRETED), has_rpb, q.device, config,
-           torch.are_deterministic_algorithms_enabled())
+           dot_precision(q.dtype, tiling.INTERPRETED), None if rpb is None else rpb.dtype,
+           q.device, config, torch.are_deterministic_algorithms_enabled())
     plans = _PLANS.get(key)
     if plans is None:
         plans = _PLANS[key] = _CallPlans()
-        plans.shapes = _output_shapes(q.shape, v.shape[-1])
+        plans.alloc = _allocations(q, v, rpb)
     return plans
 
 
@@ -596,9 +624,9 @@ def _plan(kernel, plans, q, v, kernel_size, dilation, has_rpb, config, run) -> _
     return plan
 
 
-# What each pass returns, allocated here for the kernels and for the custom ops' fake
-# implementations alike, so that a compiled graph is told the very sizes, strides and dtypes the
-# kernels return: every output contiguous, whatever the inputs' strides.
+# What each pass returns, as a trace is told (the custom ops' fake implementations): the very
+# sizes, strides and dtypes that the host code's allocations (_Allocations) give the kernels,
+# every output contiguous, whatever the inputs' strides.
 
 def _output_shapes(shape, dv) -> tuple:
     """o's shape ``[B, H, W, heads, dv]`` and the log-sum-exp's ``[B, heads, H, W]``, of a call
@@ -626,8 +654,8 @@ def _backward_outputs(q, k, v, rpb, rpb_grad: bool, kv_grad: bool, dqkv=None):
 
 def _forward(q, k, v, rpb, kernel_size, dilation, scale, config=None):
     """o and lse, and the call's plans (:func:`_call_plans`, for its backward)."""
-    plans = _call_plans(q, v, kernel_size, dilation, rpb is not None, config)
-    o, lse = _forward_outputs(q, plans.shapes)
+    plans = _call_plans(q, v, kernel_size, dilation, rpb, config)
+    o, lse = plans.alloc.o(), plans.alloc.lse()
     _launch("fwd", plans, q, v, kernel_size, dilation, rpb is not None, config,
             lambda plan, warmup: _run(
                 _na_fwd_kernel, plan.grid, q, k, v, q if rpb is None else rpb, o, lse,
@@ -641,14 +669,20 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
     """dq, dk, dv and the rpb gradient (:func:`_backward_outputs`); ``plans``: the forward's
     (:func:`_forward`), or None."""
     if plans is None:
-        plans = _call_plans(q, v, kernel_size, dilation, rpb is not None, config)
+        plans = _call_plans(q, v, kernel_size, dilation, rpb, config)
     KH, KW = kernel_size
     B, heads = q.shape[0], q.shape[3]
-    dq, dk, dv, drpb = _backward_outputs(q, k, v, rpb, need_rpb_grad, need_kv_grad, dqkv)
+    alloc = plans.alloc  # as _backward_outputs
+    if dqkv is not None:
+        dq, dk, dv = dqkv.unbind(3)
+    else:
+        dq = alloc.q()
+        dk, dv = (alloc.q(), alloc.v()) if need_kv_grad else (alloc.empty(), alloc.empty())
+    drpb = alloc.rpb() if need_rpb_grad else alloc.empty32()
     n_rel = (2 * KH - 1) * (2 * KW - 1)
     rpb_arg = q if rpb is None else rpb  # a stand-in pointer, never read (HAS_RPB=False)
     # rowsum(dO * O), laid out as lse: the kernels index both flat
-    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+    delta = alloc.lse()
     # with need_rpb_grad, one rpb-gradient table per program of the dq launch (its plan's);
     # else a stand-in pointer, never written (RPB_GRAD=False)
     tables = [delta]
@@ -786,7 +820,7 @@ class _NAPacked(torch.autograd.Function):
     def backward(ctx, do):
         qkv, rpb, o, lse = ctx.saved_tensors
         grad_qkv, grad_rpb = ctx.needs_input_grad[:2]
-        dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format) if grad_qkv else None
+        dqkv = ctx.plans.alloc.qkv() if grad_qkv else None
         rpb_grad = rpb is not None and grad_rpb
         _, _, _, drpb = _backward(do, *ctx.views, rpb, o, lse, *ctx.args, rpb_grad,
                                   grad_qkv, _config(ctx.config), dqkv, ctx.plans)

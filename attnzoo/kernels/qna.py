@@ -25,13 +25,13 @@ Backward, recomputing the probabilities from the log-sum-exp
 from __future__ import annotations
 
 import functools
-from typing import List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from . import KernelLimits, eager, kernel_op, launch_on_device, once_differentiable
+from . import KernelLimits, allocation, eager, kernel_op, launch_on_device, once_differentiable
 from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions, to_base2
 
 __all__ = ["qna_fused", "support", "not_supported_reasons", "call_reasons", "LIMITS"]
@@ -261,32 +261,45 @@ def tile(queries: int, head_dim: int) -> tuple:
     return outputs // 8, 8
 
 
+Allocation = Callable[[], torch.Tensor]
+
+
 class _Geometry(NamedTuple):
     """A call's launch: its kernels' last arguments, positional (after their tensors and
-    strides; ~15 keywords cost some 1.5 us a launch to pass), grids and allocations' shapes."""
+    strides; ~15 keywords cost some 1.5 us a launch to pass), grids, and its tensors'
+    allocations (:func:`~attnzoo.kernels.allocation`: as :func:`_forward_outputs` and
+    :func:`_backward_outputs` make them for a trace)."""
     args: tuple     # heads, H, W, Ho, Wo, L, D, K, STRIDE, TH, TW, BD, LP, SUM_QUERIES
     outputs: tuple  # the forward's and delta's grid: a program per tile of outputs
     keys: tuple     # the keys kernel's: a program per tile of keys
-    shapes: tuple   # the output's and the log-sum-exp's (_output_shapes)
-    tables: tuple   # the keys kernel's rpb and window-weight tables: [2, B, tiles, L, heads, k, k]
+    o: Allocation
+    lse: Allocation  # and delta, laid out as it
+    dlogits: Allocation
+    dv: Allocation
+    tables: Allocation  # the keys kernel's rpb and window-weight tables (see there)
 
 
 def _geometry(logits, v, kernel_size, stride, sum_queries) -> _Geometry:
     """The call's :class:`_Geometry` (computed once per call key; read only)."""
-    return _geometry_of(logits.shape, v.shape[-1], kernel_size, stride, sum_queries)
+    return _geometry_of(logits.shape, v.shape[-1], kernel_size, stride, sum_queries,
+                        logits.dtype, v.dtype, v.device)
 
 
 @functools.lru_cache(maxsize=1024)
-def _geometry_of(shape, D, kernel_size, stride, sum_queries) -> _Geometry:
+def _geometry_of(shape, D, kernel_size, stride, sum_queries, logits_dtype, dtype,
+                 device) -> _Geometry:
     B, H, W, L, heads = shape
-    shapes = _output_shapes(tuple(shape), D, stride, sum_queries)
-    Ho, Wo = shapes[1][1:3]
+    o, lse = _output_shapes(tuple(shape), D, stride, sum_queries)
+    Ho, Wo = lse[1:3]
     th, tw = tile(L, D)
     tiles = -(-H // th) * -(-W // tw)
     return _Geometry((heads, H, W, Ho, Wo, L, D, kernel_size, stride, th, tw, pow2(D, 1),
                       pow2(L, 1), sum_queries),
-                     (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,), shapes,
-                     (2, B, tiles, L, heads, kernel_size, kernel_size))
+                     (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,),
+                     *(allocation(shape, dtype, device) for shape, dtype in (
+                         (o, dtype), (lse, torch.float32), (shape, logits_dtype),
+                         ((B, H, W, heads, D), dtype),
+                         ((2, B, tiles, L, heads, kernel_size, kernel_size), torch.float32))))
 
 
 def _output_shapes(shape: tuple, D, stride: int, sum_queries: bool) -> tuple:
@@ -308,9 +321,9 @@ def _g_strides(g: torch.Tensor, sum_queries: bool) -> tuple:
     return g.stride()
 
 
-# What each pass returns, allocated here for the kernels and for the custom ops' fake
-# implementations alike, so that a compiled graph is told the very sizes, strides and dtypes the
-# kernels return: every output contiguous, whatever the inputs' strides.
+# What each pass returns, as a trace is told (the custom ops' fake implementations): the very
+# sizes, strides and dtypes that the host code's allocations (_Geometry) give the kernels,
+# every output contiguous, whatever the inputs' strides.
 
 def _forward_outputs(v, shapes):
     """The output in v's dtype and the log-sum-exp in float32, of ``shapes``
@@ -318,22 +331,19 @@ def _forward_outputs(v, shapes):
     return v.new_empty(shapes[0]), v.new_empty(shapes[1], dtype=torch.float32)
 
 
-def _input_gradients(logits, v):
-    return (torch.empty_like(logits, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
-
-
 def _backward_outputs(logits, v, rpb):
     """The gradients of logits and v in their dtypes, and of the rpb and window weights
     (``[L, heads, k, k]``) in float32, stacked: ``[2, L, heads, k, k]`` (as :func:`_backward`
     sums them)."""
-    return (*_input_gradients(logits, v), v.new_empty((2,) + rpb.shape, dtype=torch.float32))
+    return (torch.empty_like(logits, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            v.new_empty((2,) + rpb.shape, dtype=torch.float32))
 
 
 def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
     """The output and the log-sum-exp, and the call's :class:`_Geometry` (for its backward)."""
     geo = _geometry(logits, v, kernel_size, stride, sum_queries)
-    o, lse = _forward_outputs(v, geo.shapes)
+    o, lse = geo.o(), geo.lse()
     launch_on_device(_qna_fwd_kernel, geo.outputs, logits, v, rpb, ws, o, lse, *logits.stride(),
                      *v.stride(), *_g_strides(o, sum_queries), *geo.args, **_OPTIONS)
     return o, lse, geo
@@ -344,12 +354,12 @@ def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries, geo=
     if geo is None:
         geo = _geometry(logits, v, kernel_size, stride, sum_queries)
     g_strides = _g_strides(g, sum_queries)
-    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+    delta = geo.lse()
     launch_on_device(_qna_bwd_delta_kernel, geo.outputs, logits, v, rpb, ws, g, lse, delta,
                      *logits.stride(), *v.stride(), *g_strides, *geo.args, **_OPTIONS)
-    dlogits, dv = _input_gradients(logits, v)
+    dlogits, dv = geo.dlogits(), geo.dv()
     # every program's rpb and window-weight tables (see _qna_bwd_keys_kernel), summed by torch
-    tables = v.new_empty(geo.tables, dtype=torch.float32)
+    tables = geo.tables()
     launch_on_device(_qna_bwd_keys_kernel, geo.keys, logits, v, rpb, ws, g, lse, delta, dlogits,
                      dv, tables, *logits.stride(), *v.stride(), *g_strides, *dlogits.stride(),
                      *dv.stride(), *geo.args, **_OPTIONS)

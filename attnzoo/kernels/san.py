@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelLimits, eager, kernel_op, launch_on_device, once_differentiable
+from . import (KernelLimits, allocation, eager, kernel_op, launch_on_device,
+               once_differentiable)
 from .tiling import pow2, program_tile, tile_positions
 
 __all__ = ["support", "not_supported_reasons", "call_reasons", "LIMITS",
@@ -302,25 +303,35 @@ def _out_size(fp, H: int, W: int):
 
 # What each pass returns, allocated here for the kernels and for the custom ops' fake
 # implementations alike, so that a compiled graph is told the very sizes, strides and dtypes the
-# kernels return: every output contiguous, whatever the inputs' strides.
+# kernels return: every output contiguous, whatever the inputs' strides. ``new(like, shape)``:
+# ``like.new_empty(shape)`` in a trace (sizes symbolic), _new for the kernels.
 
-def _output(x, fp, channels: int, taps: int = 0):
+def _new(like: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``like.new_empty(shape)``, contiguous, through kernels.allocation (cached per shape: on
+    meta tensors ``new_empty`` is a Python meta function)."""
+    return allocation(shape, like.dtype, like.device)()
+
+
+def _output(x, fp, channels: int, taps: int = 0, new=_new):
     """An output of ``x``'s batch on ``fp``'s output grid: [N, channels, taps, Ho * Wo], or
     [N, channels, Ho, Wo] without taps."""
     N, _, H, W = x.shape
     Ho, Wo = _out_size(fp, H, W)
-    return x.new_empty((N, channels, taps, Ho * Wo) if taps else (N, channels, Ho, Wo))
+    return new(x, (N, channels, taps, Ho * Wo) if taps else (N, channels, Ho, Wo))
 
 
-def _subtraction_grads_out(g, shape, same: bool):
+def _subtraction_grads_out(g, shape, same: bool, new=_new):
     """dx1, and dx2 (empty with ``same``: the kernel sums both gradients into dx1)."""
-    return g.new_empty(shape), g.new_empty(0 if same else shape)
+    return new(g, shape), new(g, (0,) if same else shape)
 
 
-def _aggregation_grads_out(x, weight, x_grad: bool, weight_grad: bool):
+def _aggregation_grads_out(x, weight, x_grad: bool, weight_grad: bool, new=_new):
     """dx and dweight, each empty where not asked for."""
-    return (x.new_empty(x.shape if x_grad else 0),
-            weight.new_empty(weight.shape if weight_grad else 0))
+    return new(x, x.shape if x_grad else (0,)), new(weight, weight.shape if weight_grad else (0,))
+
+
+def _traced(like: torch.Tensor, shape: tuple) -> torch.Tensor:
+    return like.new_empty(shape)
 
 
 def _subtraction_forward(x1, x2, fp):
@@ -402,7 +413,7 @@ def _subtraction_backward_impl(g, shape, same, *footprint):
 
 def _subtraction_fake(x1, x2, *footprint):
     fp = _footprint(*footprint)
-    return _output(x1, fp, x1.shape[1], fp.taps)
+    return _output(x1, fp, x1.shape[1], fp.taps, _traced)
 
 
 _subtraction_op = kernel_op("san_subtraction_fused", _subtraction_impl,
@@ -410,7 +421,7 @@ _subtraction_op = kernel_op("san_subtraction_fused", _subtraction_impl,
 _subtraction_backward_op = kernel_op(
     "san_subtraction_fused_backward", _subtraction_backward_impl,
     f"(Tensor g, int[] shape, bool same, {_FOOTPRINT}) -> (Tensor, Tensor)",
-    lambda g, shape, same, *_: _subtraction_grads_out(g, shape, same))
+    lambda g, shape, same, *_: _subtraction_grads_out(g, shape, same, _traced))
 
 
 def _subtraction_setup(ctx, inputs, output):
@@ -438,13 +449,14 @@ def _aggregation_backward_impl(go, x, weight, x_grad, weight_grad, *footprint):
 _aggregation_op = kernel_op(
     "san_aggregation_fused", _aggregation_impl,
     f"(Tensor x, Tensor weight, {_FOOTPRINT}) -> Tensor",
-    lambda x, weight, *footprint: _output(x, _footprint(*footprint), x.shape[1]))
+    lambda x, weight, *footprint: _output(x, _footprint(*footprint), x.shape[1],
+                                          new=_traced))
 _aggregation_backward_op = kernel_op(
     "san_aggregation_fused_backward", _aggregation_backward_impl,
     f"(Tensor go, Tensor x, Tensor weight, bool x_grad, bool weight_grad, {_FOOTPRINT}) "
     "-> (Tensor, Tensor)",
-    lambda go, x, weight, x_grad, weight_grad, *_: _aggregation_grads_out(x, weight, x_grad,
-                                                                           weight_grad))
+    lambda go, x, weight, x_grad, weight_grad, *_: _aggregation_grads_out(
+        x, weight, x_grad, weight_grad, _traced))
 
 
 def _aggregation_setup(ctx, inputs, output):
