@@ -604,7 +604,8 @@ def backends_lines(arch: str, facts: Mapping[str, Any]) -> Union[str, list]:
     where = "; ".join(f"{name}: {text}" for name, text in backends.RUNS_ON.items())
     return lines + [f"{where}. `auto` picks, per call, the first of them in a fixed order that "
                     "runs it: on CUDA cuda (only where a verification record covers the GPU, "
-                    "dtype and Triton: docs/backends.md), natten, torch; on CPU "
+                    "dtype, Triton and the kernels' version: docs/backends.md), natten, "
+                    "torch; on CPU "
                     f"torch. `attnzoo info {arch}` tries each on your machine"]
 
 

@@ -46,7 +46,9 @@ the later stages run; a smoke stage that faults ends the run, with its reason.
    synchronises the host (``torch.cuda.set_sync_debug_mode("error")``); the first steps again
    (warm caches); NA at NAT-tiny's and DiNAT's stage shapes (scripts/bench_ops.py part 2:
    bf16, batch 64, fwd and fwd+bwd, cuda+rpb, torch+rpb, compiled FlexAttention with and
-   without rpb). Issue 46's targets are marked in the models' table.
+   without rpb). Issue 46's targets are marked in the models' table. ``auto`` there trusts
+   the records of stage 5 in DIR (``records.jsonl``, this checkout's kernels verified on this
+   GPU), so run it after stages 1-5 with the same ``--out``.
 
 DIR gets ``result.json`` (every stage: status, seconds, findings; the verdict; the records),
 ``summary.md`` (the same, to read) and ``log.txt`` (every stage's output), rewritten after each
@@ -227,6 +229,11 @@ class Run:
                                                           else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
+        records = self.out / "records.jsonl"
+        if records.exists():  # what this DIR's records stage verified: auto trusts it here
+            from attnzoo.kernels import RECORDS_ENV
+            env[RECORDS_ENV] = os.pathsep.join(filter(None, [env.get(RECORDS_ENV),
+                                                             str(records)]))
         start = time.time()
         with open(self.out / "log.txt", "a") as log:
             log.write(f"\n===== stage {name} =====\n")
@@ -251,14 +258,15 @@ class Run:
         if not (env.get("arch") and env.get("triton")):
             return {"status": "not run: the env stage did not name the GPU and Triton",
                     "seconds": 0, "findings": {}}
-        from attnzoo.kernels import Verification
+        from attnzoo.kernels import Verification, kernels_digest
         date = datetime.date.today().isoformat()
         records = []
         for family in FAMILIES:
             dtypes = tuple(d for d in DTYPES if verdict[family][d] == "passed")
-            if dtypes:
+            if dtypes:  # of the kernels as this checkout has them, which the stages ran
                 record = Verification(family, env["arch"], dtypes, env["gpu"], date,
-                                      env["torch"], env["triton"], self.result["command"])
+                                      env["torch"], env["triton"], kernels_digest(family),
+                                      self.result["command"])
                 records.append(Verification.from_line(record.to_line()).to_line())
         self.result["records"] = records
         (self.out / "records.jsonl").write_text("".join(line + "\n" for line in records))
@@ -995,7 +1003,10 @@ def stage_bench(stage: Stage) -> None:
     FlexAttention, each model's compiled graphs; and the cold first steps), then time, one
     process at a time on the GPU: host time per call, each model's img/s in every mode, the
     warm first steps, bench_ops.py part 2."""
+    from attnzoo.kernels import RECORDS_ENV
     f = stage.findings
+    # the records files auto reads here besides the package's (Run._stage: stage 5's)
+    f["records_files"] = [p for p in os.environ.get(RECORDS_ENV, "").split(os.pathsep) if p]
     start = time.time()
     models = DRY_BENCH_MODELS if stage.dry else BENCH_MODELS
     items = ([f"first:{m}" for m in FIRST_STEP]  # the longest first

@@ -74,18 +74,23 @@ def simulate_gpu(monkeypatch, gpu=H100, triton="3.6.0") -> None:
     backends.reset()
 
 
-def verification(family: str, dtypes=("bfloat16",), arch="sm_90", triton="3.6.0"):
+def verification(family: str, dtypes=("bfloat16",), arch="sm_90", triton="3.6.0",
+                 digest=None):
+    """A record of ``family``'s kernels as installed (``digest``: of other kernels)."""
     from attnzoo import kernels
     return kernels.Verification(family, arch, tuple(dtypes), H100[0], "2026-11-26", "2.11.0",
-                                triton, "python scripts/gpu_verify.py --out gpu_verify")
+                                triton, digest or (kernels.kernels_digest(family) if family
+                                                   in kernels.FAMILIES else "0" * 12),
+                                "python scripts/gpu_verify.py --out gpu_verify")
 
 
 def check_auto_waits_for_a_verification(monkeypatch, kernel_records, family: str, op: str,
                                         call, trusted) -> None:
     """On a (simulated) H100 with Triton 3.6, ``auto`` leaves ``call`` (a call key of ``op`` on
     ``cuda:0`` in bf16) to the torch reference until the records file holds a verification of
-    ``family`` on sm_90 in bf16 with a Triton 3.6.x, and ``trusted(call)`` (the backend's answer
-    to auto) says why; a record for another dtype, architecture or Triton minor does not do."""
+    ``family``'s kernels as installed on sm_90 in bf16 with a Triton 3.6.x, and
+    ``trusted(call)`` (the backend's answer to auto) says why; a record for another dtype,
+    architecture, Triton minor or version of the kernels does not do."""
     from attnzoo import backends
 
     assert call.dtype == torch.bfloat16
@@ -93,6 +98,9 @@ def check_auto_waits_for_a_verification(monkeypatch, kernel_records, family: str
     assert "not been verified on sm_90 (NVIDIA H100 80GB HBM3) in bfloat16 with Triton 3.6" \
         in trusted(call)
     assert backends.resolve(op, call) == "torch"
+    kernel_records(verification(family, digest="0123456789ab"))  # of the kernels before a change
+    assert backends.resolve(op, call) == "torch"
+    assert "the records for sm_90 are of other versions of them (0123456789ab)" in trusted(call)
     kernel_records(verification(family, ("float32", "float16")), verification(family, arch="sm_80"),
                    verification(family, triton="3.7.0"))
     assert backends.resolve(op, call) == "torch"

@@ -585,6 +585,7 @@ def test_the_package_records_are_well_formed(monkeypatch):
     (verification("qna", arch="90").to_line(), "arch '90' is not like 'sm_90'"),
     (verification("qna", ("fp16",)).to_line(), "dtypes ['fp16'] must be some of"),
     (verification("qna", triton="latest").to_line(), "triton 'latest' is not a version"),
+    (verification("qna", digest="3.6").to_line(), "kernels '3.6' is not a digest"),
 ])
 def test_a_malformed_record_is_an_error_naming_its_file_and_line(line, message, kernel_records,
                                                                  monkeypatch, tmp_path):
@@ -604,6 +605,73 @@ def test_a_malformed_record_is_an_error_naming_its_file_and_line(line, message, 
     monkeypatch.setenv(kernels.RECORDS_ENV, str(extra))
     backends.reset()
     assert [r.family for r in kernels.records()] == ["san", "qna"]  # the package's, then yours
+
+
+KERNEL_MODULE = '''
+import triton
+import triton.language as tl
+from .shared import helper
+
+BLOCK = tl.constexpr(16)
+
+
+@triton.jit
+def _kernel(X, N: tl.constexpr):
+    """What it computes."""
+    x = tl.load(X + tl.arange(0, BLOCK))
+    if N > 1:
+        x = helper(x)
+    x = x * 2  # doubled
+    tl.store(X + tl.arange(0, BLOCK), x)
+
+
+def launch(x):
+    _kernel[(1,)](x, 2)
+'''
+SHARED = '''
+import triton
+
+
+@triton.jit
+def helper(x):
+    return x + 1
+
+
+@triton.jit
+def unused(x):
+    return x - 1
+'''
+
+
+@pytest.mark.parametrize("module,shared,same", [
+    (KERNEL_MODULE.replace("# doubled", "# twice"), SHARED, True),
+    (KERNEL_MODULE.replace('    """What it computes."""\n', ""), SHARED, True),
+    (KERNEL_MODULE.replace("_kernel[(1,)](x, 2)", "_kernel[(2,)](x, 3)"), SHARED, True),
+    (KERNEL_MODULE.replace("x, N: tl", "x,\n            N: tl"), SHARED, True),
+    (KERNEL_MODULE, SHARED.replace("x - 1", "x - 2"), True),  # a helper it does not call
+    (KERNEL_MODULE, SHARED.replace("x + 1", "x + 2"), False),  # one it calls
+    (KERNEL_MODULE.replace("    x = x * 2", "        x = x * 2"), SHARED, False),  # into the if
+    (KERNEL_MODULE.replace("tl.constexpr(16)", "tl.constexpr(32)"), SHARED, False),
+    (KERNEL_MODULE.replace("@triton.jit", "@triton.jit(do_not_specialize=['N'])"), SHARED,
+     False),
+])
+def test_the_kernels_digest_changes_with_what_the_kernels_compile_only(module, shared, same):
+    """A verification record holds the digest of the Triton code it verified: a change that
+    the compiled kernels cannot see (comments, docstrings, layout, host code, an unused helper)
+    leaves it; one they can (a statement's block, a constant, a helper they call, a
+    decorator's options) changes it, and auto no longer trusts the record."""
+    before = kernels.source_digest(KERNEL_MODULE, SHARED)
+    assert re.fullmatch("[0-9a-f]{12}", before)
+    assert (kernels.source_digest(module, shared) == before) == same
+
+
+def test_each_family_s_digest_is_of_its_installed_kernels():
+    here = Path(kernels.__file__).parent
+    tiling = (here / "tiling.py").read_text()
+    digests = {f: kernels.kernels_digest(f) for f in kernels.FAMILIES}
+    assert len(set(digests.values())) == 3
+    for family, digest in digests.items():
+        assert digest == kernels.source_digest((here / f"{family}.py").read_text(), tiling)
 
 
 class _Compiled:  # what the autotuner reads of a compiled Triton kernel

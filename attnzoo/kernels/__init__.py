@@ -38,10 +38,11 @@ equal; under ``torch.use_deterministic_algorithms(True)`` the configuration is f
 
 **Verification.** The records of where each family's kernels passed their verification on a
 real GPU are data: ``verified.jsonl`` beside this module, one :class:`Verification` per line
-(family, GPU architecture, dtypes, GPU name, date, torch and Triton versions, the command), and
-the files ``ATTNZOO_VERIFIED_KERNELS`` names. ``auto`` sends a call to a family's kernels only
-where a record covers its architecture and dtype and the installed Triton has the record's
-major.minor (:func:`verified`); ``backend="cuda"`` runs them anywhere.
+(family, GPU architecture, dtypes, GPU name, date, torch and Triton versions, the kernels'
+digest, the command), and the files ``ATTNZOO_VERIFIED_KERNELS`` names. ``auto`` sends a call
+to a family's kernels only where a record covers its architecture and dtype, the installed
+Triton has the record's major.minor and the installed kernels the record's digest
+(:func:`verified`, :func:`kernels_digest`); ``backend="cuda"`` runs them anywhere.
 
 Triton is optional: importing :mod:`attnzoo.kernels` does not import it. The kernels run on CUDA
 tensors; on CPU tensors only under Triton's interpreter, which is how CI proves them correct:
@@ -50,13 +51,17 @@ interpreted functions) and while the kernels run on CPU (:func:`interpreter_enab
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import hashlib
+import io
 import json
 import logging
 import math
 import os
 import re
+import tokenize
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence
 from typing import Tuple
@@ -67,7 +72,8 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
            "Autotuner", "Verification", "records", "record_files", "verified", "unverified",
            "launch_on_device", "capture_launches", "capturing", "kernel_op", "eager", "can_tune",
-           "will_tune", "TuningStore", "tuning_cache_path", "tuning_scope", "allocation"]
+           "will_tune", "TuningStore", "tuning_cache_path", "tuning_scope", "allocation",
+           "kernels_digest", "source_digest"]
 
 _logger = logging.getLogger(__name__)
 
@@ -515,7 +521,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class Verification(NamedTuple):
     """One verification of a kernel family on a real GPU: what ``auto`` trusts, for
-    ``arch`` and ``dtypes`` only, and with a Triton of the same major.minor as ``triton``."""
+    ``arch`` and ``dtypes`` only, with a Triton of the same major.minor as ``triton``, and for
+    the family's Triton code as it was verified (``kernels``: :func:`kernels_digest`)."""
     family: str                # "neighborhood", "qna" or "san"
     arch: str                  # "sm_90"
     dtypes: Tuple[str, ...]    # ("float32", "bfloat16")
@@ -523,6 +530,7 @@ class Verification(NamedTuple):
     date: str                  # ISO date
     torch: str                 # torch.__version__ there
     triton: str                # triton.__version__ there
+    kernels: str               # kernels_digest(family) there: 12 hex digits
     command: str               # what passed: "python scripts/gpu_verify.py --out DIR"
 
     def to_line(self) -> str:
@@ -553,9 +561,80 @@ class Verification(NamedTuple):
             problems.append(f"dtypes {list(record.dtypes)!r} must be some of {', '.join(_DTYPES)}")
         if _major_minor(record.triton) is None:
             problems.append(f"triton {record.triton!r} is not a version like '3.6.0'")
+        if not re.fullmatch(r"[0-9a-f]{12}", str(record.kernels)):
+            problems.append(f"kernels {record.kernels!r} is not a digest of 12 hex digits "
+                            "(attnzoo.kernels.kernels_digest)")
         if problems:
             raise ValueError(f"{where}: " + "; ".join(problems))
         return record
+
+
+_MARKS = {tokenize.INDENT: "<indent>", tokenize.DEDENT: "<dedent>", tokenize.NEWLINE: ";"}
+
+
+def _triton_code(source: str) -> Dict[str, Tuple[ast.AST, str]]:
+    """A module's Triton code by name: its functions decorated ``triton.jit`` and its
+    module-level ``tl.constexpr`` constants, each with its tokens (decorators included, blocks
+    and statement ends marked; comments, layout and a function's docstring left out) joined
+    by spaces: text that every Python version's tokenizer reads alike, where ``ast.unparse``
+    and ``ast.dump`` change between versions."""
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d).startswith(("triton.jit", "jit")) for d in node.decorator_list):
+            name, doc = node.name, ast.get_docstring(node, clean=False) is not None
+            first = min([node, *node.decorator_list], key=lambda n: (n.lineno, n.col_offset))
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+              and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call)
+              and ast.unparse(node.value.func) == "tl.constexpr"):
+            name, doc, first = node.targets[0].id, False, node
+        else:
+            continue
+        start, end = (first.lineno, first.col_offset), (node.end_lineno, node.end_col_offset)
+        skip = (node.body[0].lineno, node.body[0].end_lineno) if doc else (0, -1)
+        words = []
+        for t in tokens:
+            if not start <= t.start < end or skip[0] <= t.start[0] <= skip[1] and t.type in (
+                    tokenize.STRING, tokenize.NEWLINE):  # the docstring and its line's end
+                continue
+            if t.type in _MARKS:
+                words.append(_MARKS[t.type])
+            elif t.type in (tokenize.NAME, tokenize.OP, tokenize.NUMBER, tokenize.STRING):
+                words.append(t.string)
+        found[name] = (node, " ".join(words))
+    return found
+
+
+def source_digest(source: str, *shared: str) -> str:
+    """12 hex digits of the SHA-256 of the Triton code of a kernel module's ``source``
+    (:func:`_triton_code`) and of what it uses by name, directly or not, of the ``shared``
+    modules' (tiling.py's helpers). Comments, docstrings, layout, host code and helpers it
+    does not call leave it as it is; a change to what its kernels compile changes it."""
+    own = _triton_code(source)
+    available = {name: code for text in shared for name, code in _triton_code(text).items()
+                 if name not in own}
+    used, todo = {}, [node for node, _ in own.values()]
+    while todo:
+        for sub in ast.walk(todo.pop()):
+            name = getattr(sub, "id", None)
+            if name in available and name not in used:
+                used[name] = available[name]
+                todo.append(used[name][0])
+    digest = hashlib.sha256()
+    for _, text in (*own.values(), *(used[name] for name in sorted(used))):
+        digest.update(text.encode() + b"\n")
+    return digest.hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_digest(family: str) -> str:
+    """:func:`source_digest` of ``family``'s module with ``tiling.py``, as installed: a
+    verification record holds the digest of the kernels it verified, and ``auto`` trusts a
+    record only while the installed kernels' digest is the same."""
+    here = Path(__file__).parent
+    return source_digest(*((here / name).read_text(encoding="utf-8")
+                           for name in (f"{family}.py", "tiling.py")))
 
 
 def _major_minor(version: str) -> Optional[Tuple[int, int]]:
@@ -594,11 +673,13 @@ def triton_version() -> str:
 
 def verified(family: str, device: str, dtype: torch.dtype) -> Optional[Verification]:
     """The record that makes ``auto`` trust ``family``'s kernels for ``dtype`` on ``device``'s
-    architecture with the installed Triton (same major.minor), or ``None``."""
+    architecture with the installed Triton (same major.minor) and the installed kernels (same
+    :func:`kernels_digest`), or ``None``."""
     arch, version = device_info(device).arch, _major_minor(triton_version())
-    name = str(dtype).replace("torch.", "")
+    name, digest = str(dtype).replace("torch.", ""), kernels_digest(family)
     return next((r for r in records() if r.family == family and r.arch == arch
-                 and name in r.dtypes and _major_minor(r.triton) == version), None)
+                 and name in r.dtypes and _major_minor(r.triton) == version
+                 and r.kernels == digest), None)
 
 
 def unverified(family: str, device: str, dtype: torch.dtype, kernels: str) -> Optional[str]:
@@ -610,13 +691,19 @@ def unverified(family: str, device: str, dtype: torch.dtype, kernels: str) -> Op
     if verified(family, device, dtype) is not None:
         return None
     info = device_info(device)
-    name = str(dtype).replace("torch.", "")
-    reason = (f"{kernels} have not been verified on {info.arch} ({info.name}) in {name} with "
+    name, digest = str(dtype).replace("torch.", ""), kernels_digest(family)
+    there = [r for r in records() if r.family == family and r.arch == info.arch]
+    reason = (f"{kernels} (version {digest}) have not been verified on {info.arch} "
+              f"({info.name}) in {name} with "
               f"Triton {'.'.join(map(str, _major_minor(triton_version()) or ()))}")
-    others = sorted({f"Triton {r.triton} in {', '.join(r.dtypes)}" for r in records()
-                     if r.family == family and r.arch == info.arch})
+    others = sorted({f"Triton {r.triton} in {', '.join(r.dtypes)}" for r in there
+                     if r.kernels == digest})
     if others:
         reason += f" (only with {'; '.join(others)})"
+    earlier = sorted({r.kernels for r in there if r.kernels != digest})
+    if earlier:
+        reason += (f"; the records for {info.arch} are of other versions of them "
+                   f"({', '.join(earlier)}): they changed since")
     _note_unverified(reason)
     return reason
 
