@@ -271,9 +271,11 @@ def eager(tensor: torch.Tensor) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+Allocation = Callable[[], torch.Tensor]  # a new uninitialised tensor per call
+
+
 @functools.lru_cache(maxsize=4096)
-def allocation(shape: Tuple[int, ...], dtype: torch.dtype,
-               device: torch.device) -> Callable[[], torch.Tensor]:
+def allocation(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Allocation:
     """A contiguous tensor's allocation with its arguments bound, looked up once per call key
     (and cached per shape, dtype and device): ``allocation(...)()`` is a new uninitialised
     tensor. ``torch.empty_strided`` called from C (a partial of a builtin): ~1 us a tensor on

@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 from torch.autograd import forward_ad
 
-from . import (Autotuner, KernelLimits, TuningStore, allocation, can_tune, device_info, eager,
-               kernel_op, launch_on_device, once_differentiable, tiling, tuning_scope,
-               will_tune)
+from . import (Allocation, Autotuner, KernelLimits, TuningStore, allocation, can_tune,
+               device_info, eager, kernel_op, launch_on_device, once_differentiable, tiling,
+               tuning_scope, will_tune)
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, round_to, store_rows,
@@ -516,14 +516,14 @@ class _Allocations(NamedTuple):
     qkv's, the rpb's (None without an rpb) and an empty stand-in per dtype (``empty``: q's,
     ``empty32``: float32). As :func:`_forward_outputs` and :func:`_backward_outputs` make
     them for a trace."""
-    o: Callable[[], torch.Tensor]
-    lse: Callable[[], torch.Tensor]
-    q: Callable[[], torch.Tensor]
-    v: Callable[[], torch.Tensor]
-    qkv: Callable[[], torch.Tensor]
-    rpb: Optional[Callable[[], torch.Tensor]]
-    empty: Callable[[], torch.Tensor]
-    empty32: Callable[[], torch.Tensor]
+    o: Allocation
+    lse: Allocation
+    q: Allocation
+    v: Allocation
+    qkv: Allocation
+    rpb: Optional[Allocation]
+    empty: Allocation
+    empty32: Allocation
 
 
 def _allocations(q: torch.Tensor, v: torch.Tensor, rpb: Optional[torch.Tensor]) -> _Allocations:

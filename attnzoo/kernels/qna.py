@@ -25,13 +25,14 @@ Backward, recomputing the probabilities from the log-sum-exp
 from __future__ import annotations
 
 import functools
-from typing import Callable, List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from . import KernelLimits, allocation, eager, kernel_op, launch_on_device, once_differentiable
+from . import (Allocation, KernelLimits, allocation, eager, kernel_op, launch_on_device,
+               once_differentiable)
 from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions, to_base2
 
 __all__ = ["qna_fused", "support", "not_supported_reasons", "call_reasons", "LIMITS"]
@@ -261,9 +262,6 @@ def tile(queries: int, head_dim: int) -> tuple:
     return outputs // 8, 8
 
 
-Allocation = Callable[[], torch.Tensor]
-
-
 class _Geometry(NamedTuple):
     """A call's launch: its kernels' last arguments, positional (after their tensors and
     strides; ~15 keywords cost some 1.5 us a launch to pass), grids, and its tensors'
@@ -296,10 +294,11 @@ def _geometry_of(shape, D, kernel_size, stride, sum_queries, logits_dtype, dtype
     return _Geometry((heads, H, W, Ho, Wo, L, D, kernel_size, stride, th, tw, pow2(D, 1),
                       pow2(L, 1), sum_queries),
                      (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,),
-                     *(allocation(shape, dtype, device) for shape, dtype in (
-                         (o, dtype), (lse, torch.float32), (shape, logits_dtype),
-                         ((B, H, W, heads, D), dtype),
-                         ((2, B, tiles, L, heads, kernel_size, kernel_size), torch.float32))))
+                     allocation(o, dtype, device), allocation(lse, torch.float32, device),
+                     allocation(shape, logits_dtype, device),
+                     allocation((B, H, W, heads, D), dtype, device),
+                     allocation((2, B, tiles, L, heads, kernel_size, kernel_size),
+                                torch.float32, device))
 
 
 def _output_shapes(shape: tuple, D, stride: int, sum_queries: bool) -> tuple:
