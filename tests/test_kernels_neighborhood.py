@@ -645,6 +645,7 @@ def unused(x):
 
 @pytest.mark.parametrize("module,shared,same", [
     (KERNEL_MODULE.replace("# doubled", "# twice"), SHARED, True),
+    (KERNEL_MODULE.replace("# doubled", "# doubled: x \u2192 2x"), SHARED, True),  # non-ASCII
     (KERNEL_MODULE.replace('    """What it computes."""\n', ""), SHARED, True),
     (KERNEL_MODULE.replace("_kernel[(1,)](x, 2)", "_kernel[(2,)](x, 3)"), SHARED, True),
     (KERNEL_MODULE.replace("x, N: tl", "x,\n            N: tl"), SHARED, True),

@@ -586,18 +586,20 @@ def _triton_code(source: str) -> Dict[str, Tuple[ast.AST, str]]:
         if isinstance(node, ast.FunctionDef) and any(
                 ast.unparse(d).startswith(("triton.jit", "jit")) for d in node.decorator_list):
             name, doc = node.name, ast.get_docstring(node, clean=False) is not None
-            first = min([node, *node.decorator_list], key=lambda n: (n.lineno, n.col_offset))
+            first = min(n.lineno for n in (node, *node.decorator_list))
         elif (isinstance(node, ast.Assign) and len(node.targets) == 1
               and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call)
               and ast.unparse(node.value.func) == "tl.constexpr"):
-            name, doc, first = node.targets[0].id, False, node
+            name, doc, first = node.targets[0].id, False, node.lineno
         else:
             continue
-        start, end = (first.lineno, first.col_offset), (node.end_lineno, node.end_col_offset)
+        # by lines (a module's statement has its lines to itself; ast's columns count bytes,
+        # tokenize's characters)
         skip = (node.body[0].lineno, node.body[0].end_lineno) if doc else (0, -1)
         words = []
         for t in tokens:
-            if not start <= t.start < end or skip[0] <= t.start[0] <= skip[1] and t.type in (
+            row = t.start[0]
+            if not first <= row <= node.end_lineno or skip[0] <= row <= skip[1] and t.type in (
                     tokenize.STRING, tokenize.NEWLINE):  # the docstring and its line's end
                 continue
             if t.type in _MARKS:
