@@ -46,9 +46,10 @@ the later stages run; a smoke stage that faults ends the run, with its reason.
    synchronises the host (``torch.cuda.set_sync_debug_mode("error")``); the first steps again
    (warm caches); NA at NAT-tiny's and DiNAT's stage shapes (scripts/bench_ops.py part 2:
    bf16, batch 64, fwd and fwd+bwd, cuda+rpb, torch+rpb, compiled FlexAttention with and
-   without rpb). Issue 46's targets are marked in the models' table. ``auto`` there trusts
-   the records of stage 5 in DIR (``records.jsonl``, this checkout's kernels verified on this
-   GPU), so run it after stages 1-5 with the same ``--out``.
+   without rpb). Issue 46's targets are marked in the models' table. Its models run on
+   ``auto``, which trusts a record only of the kernels as installed: stage 5's records where
+   this run made them (its ``records.jsonl``), else those in attnzoo/kernels/verified.jsonl
+   (add stage 5's lines there before a bench of its own).
 
 DIR gets ``result.json`` (every stage: status, seconds, findings; the verdict; the records),
 ``summary.md`` (the same, to read) and ``log.txt`` (every stage's output), rewritten after each
@@ -229,11 +230,11 @@ class Run:
                                                           else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
-        records = self.out / "records.jsonl"
-        if records.exists():  # what this DIR's records stage verified: auto trusts it here
+        if name == "bench" and "records" in self.stages and self.result["stages"]["records"][
+                "status"] == "passed":  # what this run verified: auto trusts it in the bench
             from attnzoo.kernels import RECORDS_ENV
-            env[RECORDS_ENV] = os.pathsep.join(filter(None, [env.get(RECORDS_ENV),
-                                                             str(records)]))
+            env[RECORDS_ENV] = os.pathsep.join(filter(None, [
+                env.get(RECORDS_ENV), str((self.out / "records.jsonl").resolve())]))
         start = time.time()
         with open(self.out / "log.txt", "a") as log:
             log.write(f"\n===== stage {name} =====\n")

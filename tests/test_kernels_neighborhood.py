@@ -610,26 +610,44 @@ def test_a_malformed_record_is_an_error_naming_its_file_and_line(line, message, 
 KERNEL_MODULE = '''
 import triton
 import triton.language as tl
-from .shared import helper
+from .tiling import helper, scale as rescale
 
 BLOCK = tl.constexpr(16)
+HOST_WARPS = 4
 
 
 @triton.jit
-def _kernel(X, N: tl.constexpr):
+def _kernel(X, N: tl.constexpr, M: tl.constexpr = tiling.DEPTH):
     """What it computes."""
     x = tl.load(X + tl.arange(0, BLOCK))
     if N > 1:
         x = helper(x)
-    x = x * 2  # doubled
+    x = rescale(x) * 2  # doubled
     tl.store(X + tl.arange(0, BLOCK), x)
 
 
+@triton.jit
+def _other(X):
+    tl.store(X, 0)
+
+
 def launch(x):
-    _kernel[(1,)](x, 2)
+    _kernel[(1,)](x, 2, num_warps=HOST_WARPS)
 '''
-SHARED = '''
+TILING = '''
 import triton
+import triton.language as tl
+
+FACTOR = 3
+DEPTH = tl.constexpr(FACTOR)
+
+
+@triton.jit
+def unused(x):
+    if x > 0:
+        if x > 1:
+            return x - 1
+    return x
 
 
 @triton.jit
@@ -638,32 +656,47 @@ def helper(x):
 
 
 @triton.jit
-def unused(x):
-    return x - 1
+def scale(x):
+    return x * 3
 '''
 
 
-@pytest.mark.parametrize("module,shared,same", [
-    (KERNEL_MODULE.replace("# doubled", "# twice"), SHARED, True),
-    (KERNEL_MODULE.replace("# doubled", "# doubled: x \u2192 2x"), SHARED, True),  # non-ASCII
-    (KERNEL_MODULE.replace('    """What it computes."""\n', ""), SHARED, True),
-    (KERNEL_MODULE.replace("_kernel[(1,)](x, 2)", "_kernel[(2,)](x, 3)"), SHARED, True),
-    (KERNEL_MODULE.replace("x, N: tl", "x,\n            N: tl"), SHARED, True),
-    (KERNEL_MODULE, SHARED.replace("x - 1", "x - 2"), True),  # a helper it does not call
-    (KERNEL_MODULE, SHARED.replace("x + 1", "x + 2"), False),  # one it calls
-    (KERNEL_MODULE.replace("    x = x * 2", "        x = x * 2"), SHARED, False),  # into the if
-    (KERNEL_MODULE.replace("tl.constexpr(16)", "tl.constexpr(32)"), SHARED, False),
-    (KERNEL_MODULE.replace("@triton.jit", "@triton.jit(do_not_specialize=['N'])"), SHARED,
-     False),
+@pytest.mark.parametrize("module,tiling,same", [
+    (KERNEL_MODULE.replace("# doubled", "# twice"), TILING, True),
+    (KERNEL_MODULE.replace("# doubled", "# doubled: x \u2192 2x"), TILING, True),  # non-ASCII
+    (KERNEL_MODULE.replace('    """What it computes."""\n', ""), TILING, True),
+    (KERNEL_MODULE.replace("HOST_WARPS = 4", "HOST_WARPS = 8"), TILING, True),  # host code
+    (KERNEL_MODULE.replace("x, N: tl", "x,\n            N: tl"), TILING, True),
+    (KERNEL_MODULE, TILING.replace("x - 1", "x - 2"), True),  # a helper it does not call
+    (KERNEL_MODULE, TILING.replace("            return x - 1\n    return x\n",
+                                   "            return x - 1\n"), True),  # ends nested deeper
+    (KERNEL_MODULE, TILING.replace("x + 1", "x + 2"), False),  # one it calls
+    (KERNEL_MODULE, TILING.replace("x * 3", "x * 4"), False),  # one it calls by another name
+    (KERNEL_MODULE, TILING.replace("FACTOR = 3", "FACTOR = 4"), False),  # through tiling.DEPTH
+    (KERNEL_MODULE.replace("    x = rescale", "        x = rescale"), TILING, False),  # in the if
+    (KERNEL_MODULE.replace("tl.constexpr(16)", "tl.constexpr(32)"), TILING, False),
+    (KERNEL_MODULE.replace("tl.store(X, 0)", "tl.store(X, 1)"), TILING, False),
+    (KERNEL_MODULE.replace("@triton.jit\ndef _kernel", "@triton.jit(do_not_specialize=['N'])"
+                           "\ndef _kernel"), TILING, False),
 ])
-def test_the_kernels_digest_changes_with_what_the_kernels_compile_only(module, shared, same):
+def test_the_kernels_digest_changes_with_what_the_kernels_compile_only(module, tiling, same):
     """A verification record holds the digest of the Triton code it verified: a change that
-    the compiled kernels cannot see (comments, docstrings, layout, host code, an unused helper)
-    leaves it; one they can (a statement's block, a constant, a helper they call, a
-    decorator's options) changes it, and auto no longer trusts the record."""
-    before = kernels.source_digest(KERNEL_MODULE, SHARED)
+    the compiled kernels cannot see (comments, docstrings, layout, host code, a helper they do
+    not call) leaves it; one they can (a statement's block, a constant, a helper they call, by
+    any name, a decorator's options) changes it, and auto no longer trusts the record."""
+    before = kernels.source_digest(KERNEL_MODULE, TILING)
     assert re.fullmatch("[0-9a-f]{12}", before)
-    assert (kernels.source_digest(module, shared) == before) == same
+    assert (kernels.source_digest(module, tiling) == before) == same
+
+
+def test_the_kernels_digest_ignores_the_order_of_definitions():
+    head, rest = KERNEL_MODULE.split("@triton.jit\ndef _kernel")
+    kernel, rest = rest.split("@triton.jit\ndef _other")
+    other, launch = rest.split("def launch")
+    reordered = (head + "@triton.jit\ndef _other" + other + "@triton.jit\ndef _kernel" + kernel
+                 + "def launch" + launch)
+    assert reordered != KERNEL_MODULE
+    assert kernels.source_digest(reordered, TILING) == kernels.source_digest(KERNEL_MODULE, TILING)
 
 
 def test_each_family_s_digest_is_of_its_installed_kernels():

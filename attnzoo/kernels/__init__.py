@@ -574,27 +574,39 @@ class Verification(NamedTuple):
 _MARKS = {tokenize.INDENT: "<indent>", tokenize.DEDENT: "<dedent>", tokenize.NEWLINE: ";"}
 
 
-def _triton_code(source: str) -> Dict[str, Tuple[ast.AST, str]]:
-    """A module's Triton code by name: its functions decorated ``triton.jit`` and its
-    module-level ``tl.constexpr`` constants, each with its tokens (decorators included, blocks
-    and statement ends marked; comments, layout and a function's docstring left out) joined
-    by spaces: text that every Python version's tokenizer reads alike, where ``ast.unparse``
-    and ``ast.dump`` change between versions."""
+class _Definitions(NamedTuple):
+    """What a module defines that Triton code can use, each as ``(node, text)``: ``kernels``,
+    its functions decorated ``triton.jit``; ``values``, its module-level assignments to a name
+    (constants, ``tl.constexpr``s, dtypes); ``imported``, the names it imports from tiling.py
+    (``as`` name -> tiling's name)."""
+    kernels: Dict[str, Tuple[ast.AST, str]]
+    values: Dict[str, Tuple[ast.AST, str]]
+    imported: Dict[str, str]
+
+
+def _definitions(source: str) -> _Definitions:
+    """Each definition's text is its tokens joined by spaces (decorators included, blocks and
+    statement ends marked; comments, layout and a function's docstring left out): text that
+    every Python version's tokenizer reads alike, where ``ast.unparse`` and ``ast.dump``
+    change between versions. Tokens are taken by line (a module's statement has its lines to
+    itself; ast's columns count bytes, tokenize's characters)."""
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-    found = {}
+    found = _Definitions({}, {}, {})
     for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and node.module == "tiling":
+            found.imported.update((a.asname or a.name, a.name) for a in node.names)
+            continue
         if isinstance(node, ast.FunctionDef) and any(
                 ast.unparse(d).startswith(("triton.jit", "jit")) for d in node.decorator_list):
-            name, doc = node.name, ast.get_docstring(node, clean=False) is not None
-            first = min(n.lineno for n in (node, *node.decorator_list))
-        elif (isinstance(node, ast.Assign) and len(node.targets) == 1
-              and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call)
-              and ast.unparse(node.value.func) == "tl.constexpr"):
-            name, doc, first = node.targets[0].id, False, node.lineno
+            into, name = found.kernels, node.name
+            doc = ast.get_docstring(node, clean=False) is not None
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(
+                target := (node.targets[0] if isinstance(node, ast.Assign) else node.target),
+                ast.Name):
+            into, name, doc = found.values, target.id, False
         else:
             continue
-        # by lines (a module's statement has its lines to itself; ast's columns count bytes,
-        # tokenize's characters)
+        first = min(n.lineno for n in (node, *getattr(node, "decorator_list", ())))
         skip = (node.body[0].lineno, node.body[0].end_lineno) if doc else (0, -1)
         words = []
         for t in tokens:
@@ -606,27 +618,45 @@ def _triton_code(source: str) -> Dict[str, Tuple[ast.AST, str]]:
                 words.append(_MARKS[t.type])
             elif t.type in (tokenize.NAME, tokenize.OP, tokenize.NUMBER, tokenize.STRING):
                 words.append(t.string)
-        found[name] = (node, " ".join(words))
+        while words and words[0] == "<dedent>":  # those closing the statement before
+            words.pop(0)
+        while words and words[-1] == "<dedent>":  # where a Python version puts them at the end
+            words.pop()
+        into[name] = (node, " ".join(words))
     return found
 
 
-def source_digest(source: str, *shared: str) -> str:
-    """12 hex digits of the SHA-256 of the Triton code of a kernel module's ``source``
-    (:func:`_triton_code`) and of what it uses by name, directly or not, of the ``shared``
-    modules' (tiling.py's helpers). Comments, docstrings, layout, host code and helpers it
-    does not call leave it as it is; a change to what its kernels compile changes it."""
-    own = _triton_code(source)
-    available = {name: code for text in shared for name, code in _triton_code(text).items()
-                 if name not in own}
-    used, todo = {}, [node for node, _ in own.values()]
+def source_digest(source: str, tiling: str = "") -> str:
+    """12 hex digits of the SHA-256 of the Triton code of a kernel module's ``source``: its
+    functions decorated ``triton.jit`` and, found by name from them, directly or not, the
+    constants, constexprs and functions of its own or of ``tiling`` (tiling.py's source) that
+    they use (:func:`_definitions`). Comments, docstrings, layout, the order of definitions,
+    host code and what the kernels do not use leave it as it is; a change to what they compile
+    changes it, but for the launch configurations the host code passes (tiles, warps,
+    stages: scripts/compile_kernels.py checks them for sm80-sm90)."""
+    own, shared = _definitions(source), _definitions(tiling)
+    scope = {**shared.kernels, **shared.values}
+    names = {**{alias: scope[name] for alias, name in own.imported.items() if name in scope},
+             **own.kernels, **own.values}
+    used = {id(node): (node, text) for node, text in own.kernels.values()}
+    todo = [node for node, _ in used.values()]
     while todo:
-        for sub in ast.walk(todo.pop()):
-            name = getattr(sub, "id", None)
-            if name in available and name not in used:
-                used[name] = available[name]
-                todo.append(used[name][0])
+        node = todo.pop()
+        within = names if any(node is n for n, _ in (*own.kernels.values(),
+                                                     *own.values.values())) else scope
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name):
+                found = within.get(sub.id)
+            elif (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                  and sub.value.id == "tiling"):
+                found = scope.get(sub.attr)
+            else:
+                continue
+            if found is not None and id(found[0]) not in used:
+                used[id(found[0])] = found
+                todo.append(found[0])
     digest = hashlib.sha256()
-    for _, text in (*own.values(), *(used[name] for name in sorted(used))):
+    for text in sorted(text for _, text in used.values()):
         digest.update(text.encode() + b"\n")
     return digest.hexdigest()[:12]
 
