@@ -1004,10 +1004,10 @@ def stage_bench(stage: Stage) -> None:
     FlexAttention, each model's compiled graphs; and the cold first steps), then time, one
     process at a time on the GPU: host time per call, each model's img/s in every mode, the
     warm first steps, bench_ops.py part 2."""
-    from attnzoo.kernels import RECORDS_ENV
+    from attnzoo.kernels import record_files
     f = stage.findings
     # the records files auto reads here besides the package's (Run._stage: stage 5's)
-    f["records_files"] = [p for p in os.environ.get(RECORDS_ENV, "").split(os.pathsep) if p]
+    f["records_files"] = [str(p) for p in record_files()[1:]]
     start = time.time()
     models = DRY_BENCH_MODELS if stage.dry else BENCH_MODELS
     items = ([f"first:{m}" for m in FIRST_STEP]  # the longest first

@@ -638,12 +638,12 @@ def source_digest(source: str, tiling: str = "") -> str:
     scope = {**shared.kernels, **shared.values}
     names = {**{alias: scope[name] for alias, name in own.imported.items() if name in scope},
              **own.kernels, **own.values}
+    mine = {id(node) for node, _ in (*own.kernels.values(), *own.values.values())}
     used = {id(node): (node, text) for node, text in own.kernels.values()}
-    todo = [node for node, _ in used.values()]
+    todo = list(own.kernels.values())
     while todo:
-        node = todo.pop()
-        within = names if any(node is n for n, _ in (*own.kernels.values(),
-                                                     *own.values.values())) else scope
+        node, _ = todo.pop()
+        within = names if id(node) in mine else scope  # the names its module sees
         for sub in ast.walk(node):
             if isinstance(sub, ast.Name):
                 found = within.get(sub.id)
@@ -654,7 +654,7 @@ def source_digest(source: str, tiling: str = "") -> str:
                 continue
             if found is not None and id(found[0]) not in used:
                 used[id(found[0])] = found
-                todo.append(found[0])
+                todo.append(found)
     digest = hashlib.sha256()
     for text in sorted(text for _, text in used.values()):
         digest.update(text.encode() + b"\n")
