@@ -14,6 +14,13 @@ autograd and forward + backward, microseconds per call, warm (the call key seen 
   malloc told to keep freed memory as torch's CUDA caching allocator does: ``caching_malloc``;
   the small torch work of the call, such as the rpb gradient's sum, is computed);
 
+* ``cpu, Triton's launch`` and ``cpu, direct launch``: the same CPU call with Triton's own
+  launch too, on a simulated GPU (scripts/simulated_gpu.py: the kernels compiled for sm90, the
+  launcher a counter): through Triton's ``JITFunction.run`` at every launch, and with
+  attnzoo's direct launches (``attnzoo.kernels.direct_launches``), as a GPU's host runs them
+  but for the launcher's C call (a few us). Left out under TRITON_INTERPRET or with
+  ``--no-simulated-gpu``;
+
 beside the torch reference of the same call on meta tensors (its ops' meta functions; QnA's
 reference is one custom op, its fake on meta), and one ``F.scaled_dot_product_attention`` call
 on CPU tensors of ``[1, 1, 1, 8]`` (a fused op's host cost: one dispatch and one kernel), and
@@ -45,6 +52,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import json
 import sys
 import time
@@ -226,31 +235,68 @@ def _floor(make):
     return made
 
 
-def measure_calls(number: int, repeat: int) -> List[dict]:
-    """The CPU's columns: launches captured (Triton's own launch excluded)."""
+TRITON = "cuda, cpu, Triton's launch"
+GPU_TRITON = "cuda, gpu, Triton's launch"
+DIRECT = "cuda, cpu, direct launch"
+
+
+def measure_calls(number: int, repeat: int, simulated: bool) -> List[dict]:
+    """The CPU's columns: launches captured (Triton's own launch excluded); with
+    ``simulated``, the call on CPU tensors with Triton's launch too, on a simulated GPU
+    (scripts/simulated_gpu.py: compiled for sm90, the launcher a counter), through
+    ``JITFunction.run`` at every launch and with attnzoo's direct launches."""
     timings = {}
     meta, cpu = _calls("meta", 32), _calls("cpu", 1)
-    with kernels.capture_launches(arguments=False):
+    captured = functools.partial(kernels.capture_launches, arguments=False)
+    columns = [("cuda, meta", meta, "cuda", captured), ("cuda, cpu", cpu, "cuda", captured)]
+    if simulated:
+        columns += [(TRITON, cpu, "cuda", functools.partial(_direct_launches, False)),
+                    (DIRECT, cpu, "cuda", functools.partial(_direct_launches, True))]
+    columns.append(("torch, meta", meta, "torch", captured))
+
+    def add(cell, make, backend, enter):
+        with enter():
+            timings[cell] = _within(_call_timing(make, backend, cell[1], number), enter)
+
+    gpu = contextlib.nullcontext()
+    if simulated:
+        from simulated_gpu import simulated_gpu
+        gpu = simulated_gpu(record=False)
+    with gpu:
         for i, label in enumerate(meta):
             print(f"[{i + 1}/{len(meta)}] {label}", file=sys.stderr, flush=True)
             for passes in ("fwd", "fwd+bwd"):
-                for column, calls, backend in (("cuda, meta", meta, "cuda"),
-                                               ("cuda, cpu", cpu, "cuda"),
-                                               ("torch, meta", meta, "torch")):
-                    timings[label, passes, column] = _call_timing(calls[label], backend, passes,
-                                                                  number)
+                for column, calls, backend, enter in columns:
+                    add((label, passes, column), calls[label], backend, enter)
         for passes in ("fwd", "fwd+bwd"):
-            timings[SDPA + ", cpu", passes, "cuda, cpu"] = _call_timing(_sdpa("cpu"), None,
-                                                                        passes, number)
+            add((SDPA + ", cpu", passes, "cuda, cpu"), _sdpa("cpu"), None, captured)
         for label in [label for label in cpu if label.startswith("na2d_qkv")]:
-            timings[f"{FLOOR} ({label.split()[1]}'s), cpu", "fwd+bwd", "cuda, cpu"] = (
-                _call_timing(_floor(cpu[label]), None, "fwd+bwd", number))
+            add((f"{FLOOR} ({label.split()[1]}'s), cpu", "fwd+bwd", "cuda, cpu"),
+                _floor(cpu[label]), None, captured)
         return _best_rows(timings, repeat)
+
+
+@contextlib.contextmanager
+def _direct_launches(enabled: bool):
+    previous = kernels.direct_launches(enabled)
+    try:
+        yield
+    finally:
+        kernels.direct_launches(previous)
+
+
+def _within(timing: Callable[[], float], enter) -> Callable[[], float]:
+    """``timing`` taken inside the context ``enter()`` (its column's)."""
+    def timed() -> float:
+        with enter():
+            return timing()
+    return timed
 
 
 def measure_gpu_calls(number: int, repeat: int) -> List[dict]:
     """On a GPU, the whole call at batch 1 (Triton's launch included; the GPU's work is
-    microseconds): the kernels, the torch reference, one SDPA call."""
+    microseconds): the kernels, with attnzoo's direct launches and through Triton's
+    ``JITFunction.run`` at every launch, the torch reference, one SDPA call."""
     timings = {}
     calls = _calls("cuda", 1)
     for i, (label, make) in enumerate(calls.items()):
@@ -259,6 +305,10 @@ def measure_gpu_calls(number: int, repeat: int) -> List[dict]:
             for backend in ("cuda", "torch"):
                 timings[label, passes, f"{backend}, gpu"] = _call_timing(make, backend, passes,
                                                                          number)
+            with _direct_launches(False):
+                timings[label, passes, GPU_TRITON] = _within(
+                    _call_timing(make, "cuda", passes, number),
+                    functools.partial(_direct_launches, False))
     for passes in ("fwd", "fwd+bwd"):
         timings[SDPA, passes, "cuda, gpu"] = _call_timing(_sdpa("cuda"), None, passes, number)
     return _best_rows(timings, repeat)
@@ -394,13 +444,19 @@ def _f(x) -> str:
 def calls_table(rows: List[dict], argv: List[str], caching: bool = False) -> str:
     """``caching``: glibc's malloc kept freed memory (:func:`caching_malloc`)."""
     gpu = any("cuda, gpu" in r for r in rows)
-    columns = ["cuda, gpu", "torch, gpu"] if gpu else ["cuda, meta", "cuda, cpu", "torch, meta"]
+    simulated = any(DIRECT in r for r in rows)
+    columns = (["cuda, gpu", GPU_TRITON, "torch, gpu"] if gpu else
+               ["cuda, meta", "cuda, cpu"] + [TRITON, DIRECT] * simulated + ["torch, meta"])
     what = ("on the GPU (" + torch.cuda.get_device_name() + "), CUDA tensors at batch 1, each "
-            "call whole (Triton's launch included) up to its kernels' end" if gpu else
+            "call whole (Triton's launch included: attnzoo's direct launches, and through "
+            "Triton's JITFunction.run at every launch) up to its kernels' end" if gpu else
             "launches captured (Triton's own launch excluded); cuda on meta tensors (batch 32) "
             "and on CPU tensors (batch 1" + ("; glibc's malloc keeping freed memory, as a "
                                              "caching allocator" if caching else "") +
-            "); the torch reference on meta tensors")
+            ")" + ("; and on those CPU tensors with Triton's launch, on a simulated GPU (sm90, "
+                   "the launcher a counter), through Triton's JITFunction.run at every launch "
+                   "and with attnzoo's direct launches" if simulated else "") +
+            "; the torch reference on meta tensors")
     lines = [f"`python scripts/bench_host.py {' '.join(argv)}`".replace(" `", "`"),
              "", f"Host microseconds per call, warm key, {what}; a backward through {CHAIN} "
              "calls, as in a training step; the best of --repeat timings per cell, taken in "
@@ -461,6 +517,9 @@ def main(argv: List[str] = None) -> int:
                    help="cuda: each call whole on the GPU, Triton's launch included (no "
                         "step table)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--no-simulated-gpu", action="store_true",
+                   help="leave out the columns of Triton's launch on a simulated GPU (they "
+                        "compile the kernels for sm90 first, seconds each)")
     p.add_argument("--glibc-trimming", action="store_true",
                    help="leave glibc's malloc returning freed memory to the OS (default on "
                         "CPU: it keeps it, as a GPU's caching allocator does)")
@@ -476,7 +535,11 @@ def main(argv: List[str] = None) -> int:
         print("glibc's malloc keeps freed memory (a caching allocator)" if caching else
               "the C library's malloc as it is", file=sys.stderr)
         _kernels_on_any_device()
-        rows = measure_calls(args.number, args.repeat)
+        simulated = not args.no_simulated_gpu and not kernels._interpreted()
+        if not simulated:
+            print("no simulated GPU columns: " + ("--no-simulated-gpu" if args.no_simulated_gpu
+                  else "the kernels are interpreted (TRITON_INTERPRET)"), file=sys.stderr)
+        rows = measure_calls(args.number, args.repeat, simulated)
     text = calls_table(rows, shown, caching)
     steps = []
     if args.steps and args.device == "cpu":

@@ -39,7 +39,8 @@ the later stages run; a smoke stage that faults ends the run, with its reason.
    ``mode="reduce-overhead"``, into Triton's and Inductor's caches) and the first training
    step of nat_tiny and swin_tiny with empty caches of their own (cold; beside the compiles,
    so an upper bound). Then, one process at a time on the GPU: host microseconds per call of
-   each family at batch 1 (scripts/bench_host.py ``--device cuda``); img/s of swin_tiny,
+   each family at batch 1 (scripts/bench_host.py ``--device cuda``: with attnzoo's direct
+   launches and through Triton's ``JITFunction.run``); img/s of swin_tiny,
    nat_tiny, dinat_tiny, qna_vit_tiny and san10_patchwise (bf16 autocast, training batch 32
    with SGD, inference batch 64), eager for every model first, then each compiled and with CUDA
    graphs, with graph breaks, skipped CUDA-graph partitions and whether a training step
@@ -1096,11 +1097,12 @@ def _reap(running, statuses, until: float) -> None:
 
 
 def _bench_host(stage: Stage) -> dict:
-    """scripts/bench_host.py: each family's call at batch 1, whole, on the GPU (host-bound);
-    a dry run: its CPU table, launches captured, few calls."""
+    """scripts/bench_host.py: each family's call at batch 1, whole, on the GPU (host-bound),
+    with attnzoo's direct launches and through Triton's JITFunction.run; a dry run: its CPU
+    table, launches captured, few calls."""
     out = stage.work / "host.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--json", str(out)] + (
-        ["--number", "4", "--repeat", "1"] if stage.dry else
+        ["--number", "4", "--repeat", "1", "--no-simulated-gpu"] if stage.dry else
         ["--device", "cuda", "--number", "40", "--repeat", "3"])
     result = dict(command=" ".join(["python", "scripts/bench_host.py"] + cmd[2:]))
     try:

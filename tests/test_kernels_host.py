@@ -53,6 +53,29 @@ def test_an_eager_call_runs_the_kernels_without_the_custom_op(op):
 
 
 @pytest.mark.parametrize("op", CALLS)
+def test_direct_launches_give_what_tritons_launches_give(op):
+    """A warm call with attnzoo's direct launches and one through Triton's JITFunction.run at
+    every launch: the same outputs and gradients, bitwise. On a GPU every kernel then has
+    direct launchers (tests/test_kernels_launch.py compares the launches themselves on a
+    simulated GPU); interpreted kernels always launch through Triton's interpreter."""
+    fn, shapes = CALLS[op]
+    inputs = _leaves(*shapes)
+    results = []
+    for direct in (False, True, True):
+        previous = kernels.direct_launches(direct)
+        try:
+            out = fn(*inputs)
+            results.append([out, *torch.autograd.grad(out.square().sum(), inputs)])
+        finally:
+            kernels.direct_launches(previous)
+    for a, b in zip(results[0], results[2]):
+        assert torch.equal(a, b)
+    direct = [kernel for kernel, launched in kernels._direct_kernels.values() if launched]
+    assert bool(direct) == torch.cuda.is_available()
+    assert bool(kernels._launchers) == torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("op", CALLS)
 def test_a_double_backward_through_the_kernels_raises(op):
     """The kernels' gradients have no graph of their own: a loss with a gradient penalty
     through them is an error, not a penalty silently taken as a constant."""

@@ -22,7 +22,8 @@ cached per index, never the current device's.
 
 **Launching.** :func:`launch_on_device`, every family's launch point, which
 :func:`capture_launches` turns into a record of the launches (scripts/compile_kernels.py compiles
-them without a GPU).
+them without a GPU). A warm launch goes to the compiled kernel's launcher directly, without
+Triton's argument binding (:func:`direct_launches`).
 
 **Tuning.** :class:`Autotuner`: the fastest of a few launch configurations per key (shape,
 kernel size, dilation, head dim, dtype, device), timed on the call's device (one whose compile
@@ -318,8 +319,124 @@ def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
     with torch.cuda.device(device) if guard else contextlib.nullcontext():
         if warmup:
             return kernel.warmup(*args, grid=grid, **kwargs)
-        kernel[grid](*args, **kwargs)
+        if _direct and grid.__class__ is tuple and _direct_kernel(kernel):
+            _launch_direct(kernel, grid, args, kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
     return None
+
+
+# Direct launches. Triton's JITFunction.run binds every argument, specializes it and builds its
+# cache key from the result at each launch: 14-29 us of Python for these kernels' 29-66
+# parameters, as much as the rest of an NA call's host path (scripts/bench_host.py, a simulated
+# GPU). A launch whose arguments specialize as an earlier launch's did goes to the compiled
+# kernel's launcher directly, as JITFunction.run would: the same compiled kernel, grid, stream
+# and arguments. Its key holds what Triton's specialization reads, or more: each argument's
+# type, an int's, bool's or string's value (1 and multiples of 16 compile apart; so do i32 and i64), , the grid, the options,
+# the current device, Triton's debug and instrumentation knobs. Not kept: a tensor. Launches
+# with a launch hook (a profiler's), a pre-run hook or a pipeline-inspection hook set go
+# through JITFunction.run, and so does a call that leaves a parameter to its default or passes
+# an argument of another type. Triton's check that a kernel's globals did not change since it was
+# compiled is left out: these kernels' globals are constants (their digest covers them). Only
+# for the Triton versions whose JITFunction.run was read for this (its launcher's call):
+# others launch through it.
+_DIRECT_TRITON = ((3, 4), (3, 8))
+_DIRECT_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+# launch key -> (kernel, launcher, function, metadata, grid, the parameters given by name)
+_launchers: Dict[tuple, tuple] = {}
+_LAUNCHERS_KEPT = 4096
+
+
+_direct = os.environ.get("ATTNZOO_DIRECT_LAUNCH", "1") != "0"
+
+
+def direct_launches(enabled: bool) -> bool:
+    """Launch through Triton's ``JITFunction.run`` at every call (``False``) or go to the
+    compiled kernel's launcher where an earlier launch compiled the same specialization
+    (``True``, the default; ``ATTNZOO_DIRECT_LAUNCH=0`` at import turns it off). Returns the
+    previous setting. A Triton version this was not checked against always goes through
+    ``JITFunction.run``."""
+    global _direct
+    previous, _direct = _direct, enabled
+    return previous
+
+
+def _launch_direct(kernel, grid, args, kwargs) -> None:
+    compilation, runtime, driver = _triton
+    if (kernel.pre_run_hooks or getattr(runtime, "add_stages_inspection_hook", None) is not None
+            or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)):
+        kernel[grid](*args, **kwargs)
+        return
+    active = driver.active
+    device = active.get_current_device()
+    # the kernel by its id (a JITFunction's hash is Python, some 1 us), checked on a hit
+    key = (id(kernel), grid, device, runtime.debug, getattr(compilation, "instrumentation_mode", ""),
+           tuple(map(type, args)), *kwargs.items(),
+           *[(a.dtype, a.data_ptr() & 15) if a.__class__ in _TENSORS else a for a in args])
+    try:
+        entry = _launchers.get(key)
+    except TypeError:  # an unhashable argument: Triton's binder decides
+        entry = key = None
+    if entry is None or entry[0] is not kernel:
+        compiled = kernel[grid](*args, **kwargs)
+        if key is not None and _can_launch_directly(kernel, grid, args, kwargs, compiled):
+            if len(_launchers) >= _LAUNCHERS_KEPT:
+                _launchers.clear()
+            _launchers[key] = (kernel, compiled.run, compiled.function, compiled.packed_metadata,
+                               grid + (1,) * (3 - len(grid)), _named(kernel, args))
+        return
+    _, launcher, function, metadata, (x, y, z), named = entry
+    if named:
+        args += tuple([kwargs[name] for name in named])
+    launcher(x, y, z, active.get_current_stream(device), function, metadata, None, None, None,
+             *args)
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is set: Triton >= 3.5 keeps a chain of them (empty: none)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+_triton: tuple = ()  # triton.knobs.compilation, triton.knobs.runtime, triton.runtime.driver.driver
+_direct_kernels: Dict[int, tuple] = {}  # id(kernel) -> (kernel, launched directly)
+
+
+def _direct_kernel(kernel) -> bool:
+    """``kernel`` is a compiled ``JITFunction`` of a Triton whose launch is known here (not
+    under the interpreter)."""
+    known = _direct_kernels.get(id(kernel))
+    if known is not None and known[0] is kernel:
+        return known[1]
+    global _triton
+    direct = False
+    if not triton_missing() and not _interpreted():
+        import triton
+        from triton import knobs
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import JITFunction
+        version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+        _triton = knobs.compilation, knobs.runtime, driver
+        direct = (isinstance(kernel, JITFunction)
+                  and _DIRECT_TRITON[0] <= version <= _DIRECT_TRITON[1])
+    _direct_kernels[id(kernel)] = kernel, direct
+    return direct
+
+
+def _named(kernel, args) -> tuple:
+    """The names of ``kernel``'s parameters after the ``args`` given positionally."""
+    return tuple(p.name for p in kernel.params[len(args):])
+
+
+def _can_launch_directly(kernel, grid, args, kwargs, compiled) -> bool:
+    """A launch's compiled kernel may be launched directly for its key: every argument given
+    (Triton's launcher takes them all, constexprs too, in the kernel's order: those after the
+    positional ones by name), each of a known type, the grid a tuple of ints."""
+    named = _named(kernel, args)
+    values = (*args, *[kwargs[name] for name in named if name in kwargs])
+    return (compiled is not None and hasattr(compiled, "packed_metadata")
+            and len(values) == len(kernel.params) and _DIRECT_TYPES.issuperset(map(type, values))
+            and 1 <= len(grid) <= 3 and all(type(g) is int for g in grid))
 
 
 # ---------------------------------------------------------------------------------------------
