@@ -18,10 +18,10 @@ the later stages run; a smoke stage that faults ends the run, with its reason.
    reference in float64 (``attnzoo.backends.check_case``).
 3. ``tests``: the kernel tests (tests/test_kernels_*.py: the kernels against the reference,
    ``torch.library.opcheck`` of every kernel op, a compiled training step of every family),
-   every registered check case on every backend (tests/test_ops_registry.py), determinism and
-   QUEST's NA on the kernels, in pytest-xdist workers (Triton's cache shared between them),
-   beside ``attnzoo check --device cuda``: a verdict per family and dtype, every skipped test
-   listed.
+   every registered check case on every backend (tests/test_ops_registry.py), determinism,
+   QUEST's NA on the kernels and direct launches against Triton's (tests/test_kernels_host.py),
+   in pytest-xdist workers (Triton's cache shared between them), beside ``attnzoo check
+   --device cuda``: a verdict per family and dtype, every skipped test listed.
 4. ``models``: nat_tiny, dinat_tiny, qna_vit_tiny and san10_patchwise at batch 64, one process
    each: logits and parameter gradients in bf16 (autocast) and fp32 on ``cuda`` against
    ``torch`` in exact fp32 (norm-relative errors; the ``torch`` backend's own in bf16 beside),
@@ -676,7 +676,8 @@ def stage_smoke(stage: Stage) -> None:
 TESTS = ["tests/test_kernels_neighborhood.py", "tests/test_kernels_qna.py",
          "tests/test_kernels_san.py", "tests/test_kernels_opcheck.py",
          "tests/test_kernels_compile.py", "tests/test_ops_registry.py",
-         "tests/test_determinism.py", "tests/test_quest_vit.py::test_nat_quest_on_the_cuda_backend"]
+         "tests/test_determinism.py", "tests/test_quest_vit.py::test_nat_quest_on_the_cuda_backend",
+         "tests/test_kernels_host.py::test_direct_launches_give_what_tritons_launches_give"]
 # the dry run: one of each kind, small
 DRY_TESTS = ["tests/test_kernels_neighborhood.py::test_inference_under_no_grad",
              "tests/test_kernels_neighborhood.py::test_kernel_low_precision[1d-bf16]",
@@ -779,6 +780,8 @@ def classify(test_id: str):
         return next((f for prefix, f in (("test_na_", "neighborhood"), ("test_qna_", "qna"),
                                          ("test_san_", "san")) if name.startswith(prefix)),
                     None), dtype
+    if module == "test_kernels_host":  # [op]
+        return FAMILY_OF_OP.get(params.replace("_qkv", "")), dtype
     if module == "test_determinism":  # [dtype-op]: the op's family; the others: every family's
         return next((FAMILY_OF_OP[t] for t in tokens if t in FAMILY_OF_OP), None), dtype
     family = {"test_kernels_neighborhood": "neighborhood", "test_kernels_qna": "qna",

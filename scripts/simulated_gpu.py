@@ -9,8 +9,10 @@ launcher is Triton's and attnzoo's own code. The launcher records each launch as
 ``JITFunction.run`` hands it over (:class:`Launch`), or counts it (``record=False``, which keeps
 no tensor alive: scripts/bench_host.py).
 
-Used by scripts/bench_host.py (``--triton``) and tests/test_kernels_host.py; run without
-``TRITON_INTERPRET`` (the kernels must be compiled functions, not interpreted ones).
+Used by scripts/bench_host.py (its columns of Triton's launch) and tests/direct_launches.py;
+run without ``TRITON_INTERPRET`` (the kernels must be compiled functions, not interpreted
+ones). For the Tritons attnzoo's kernels admit (3.4 to 3.8 checked: ``load_binary``'s five
+values, the driver held as ``active`` or ``_active``).
 """
 from __future__ import annotations
 
@@ -100,7 +102,9 @@ class SimulatedGPU:
 
     def __enter__(self) -> "SimulatedGPU":
         from attnzoo import kernels
-        self._previous = driver._active  # None until a driver was first asked for
+        # what driver.active reads, as it is (Triton >= 3.5 creates its driver on first use)
+        self._slot = "_active" if "_active" in vars(driver) else "active"
+        self._previous = vars(driver)[self._slot]
         driver.set_active(self)
         kernels._launchers.clear()
         return self
@@ -109,9 +113,10 @@ class SimulatedGPU:
         from attnzoo import kernels
         kernels._launchers.clear()
         for kernel in self._kernels:
-            kernel.device_caches.clear()
+            # per device, its compiled kernels (Triton < 3.3: ``cache``)
+            (getattr(kernel, "device_caches", None) or getattr(kernel, "cache", {})).clear()
         gc.collect()  # the compiled kernels unload through this driver
-        driver._active = self._previous
+        vars(driver)[self._slot] = self._previous
 
 
 def attnzoo_kernels() -> List[Any]:

@@ -17,7 +17,7 @@ from triton.runtime.jit import JITFunction
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from simulated_gpu import simulated_gpu  # noqa: E402
+from simulated_gpu import SimulatedGPU, simulated_gpu  # noqa: E402
 
 from attnzoo import kernels  # noqa: E402
 from attnzoo.ops import na2d_qkv, qna2d, san_aggregation, san_subtraction2  # noqa: E402
@@ -117,6 +117,8 @@ def check_specializations(gpu) -> dict:
         "float16": ((base.half(), 17, 0.5, True, 32), {}),
         "num_warps 2": ((base, 17, 0.5, True, 32), dict(num_warps=2)),
         "B by name": ((base, 17, 0.5, True), dict(B=32)),
+        "FLAG True by name": ((base, 17, 0.5), dict(FLAG=True, B=32)),
+        "FLAG 1 by name": ((base, 17, 0.5), dict(FLAG=1, B=32)),
     }
     found = {}
     for label, (args, kwargs) in cases.items():
@@ -167,8 +169,9 @@ def main() -> None:
         findings["hooks"] = check_hooks(gpu)
         findings["direct kernels"] = sorted(
             k[0].fn.__name__ for k in kernels._direct_kernels.values() if k[1])
+    active = vars(driver).get("_active", vars(driver).get("active"))  # as Triton keeps it
     findings["left"] = dict(launchers=len(kernels._launchers),
-                            driver=type(driver._active).__name__)
+                            restored=not isinstance(active, SimulatedGPU))
     print(json.dumps(findings))
 
 

@@ -163,6 +163,10 @@ def test_a_wrong_invocation_is_one_line(tmp_path):
     ("test_determinism::test_every_kernel_runs_deterministically[bf16-na2d]",
      ("neighborhood", "bfloat16")),
     ("test_quest_vit::test_nat_quest_on_the_cuda_backend", ("neighborhood", None)),
+    ("test_kernels_host::test_direct_launches_give_what_tritons_launches_give[na2d_qkv]",
+     ("neighborhood", None)),
+    ("test_kernels_host::test_direct_launches_give_what_tritons_launches_give[san_aggregation]",
+     ("san", None)),
 ])
 def test_each_test_counts_for_the_family_and_dtype_it_checks(test_id, expected):
     assert gpu_verify.classify(test_id) == expected

@@ -75,6 +75,30 @@ def test_direct_launches_give_what_tritons_launches_give(op):
     assert bool(kernels._launchers) == torch.cuda.is_available()
 
 
+@pytest.mark.parametrize("version, direct", [("3.3.1", False), ("3.4.0", True),
+                                              ("3.8.0", True), ("3.9.0", False)])
+def test_direct_launches_keep_to_the_tritons_whose_launch_was_read(monkeypatch, version,
+                                                                   direct):
+    """A compiled kernel launches directly on Triton 3.4 to 3.8 only (kernels._DIRECT_TRITON);
+    deciding so on another Triton imports nothing it may lack (3.3 has no ``triton.knobs``)."""
+    import sys
+    import triton
+    monkeypatch.setattr(kernels, "_interpreted", lambda: False)
+    monkeypatch.setattr(kernels, "_direct_kernels", {})
+    monkeypatch.setattr(triton, "__version__", version)
+    if not direct:
+        monkeypatch.delattr(triton, "knobs")
+        monkeypatch.setitem(sys.modules, "triton.knobs", None)  # importing it fails
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def probe(x):
+        pass
+
+    compiled = triton.jit(probe)  # a JITFunction (the interpreter is off for this test)
+    assert kernels._direct_kernel(compiled) is direct
+    assert kernels._direct_kernel(kn._na_fwd_kernel) is False  # interpreted: never direct
+
+
 @pytest.mark.parametrize("op", CALLS)
 def test_a_double_backward_through_the_kernels_raises(op):
     """The kernels' gradients have no graph of their own: a loss with a gradient penalty

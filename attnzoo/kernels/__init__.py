@@ -34,8 +34,9 @@ first configuration without a GPU to time on, with ``ATTNZOO_AUTOTUNE=0``, or un
 
 **Determinism.** Every kernel is deterministic: no atomics; what several programs contribute to
 one value (the rpb and window-weight gradients) is written per program and summed afterwards
-in a fixed order (NA's by more programs of a later launch, QnA's by torch). Two runs of a call with the same launch configuration are bitwise
-equal; under ``torch.use_deterministic_algorithms(True)`` the configuration is fixed too.
+in a fixed order (NA's by more programs of a later launch, QnA's by torch). Two runs of a call
+with the same launch configuration are bitwise equal; under
+``torch.use_deterministic_algorithms(True)`` the configuration is fixed too.
 
 **Verification.** The records of where each family's kernels passed their verification on a
 real GPU are data: ``verified.jsonl`` beside this module, one :class:`Verification` per line
@@ -84,8 +85,10 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-# tl.gather (the rpb gradient) appeared in Triton 3.2.
-MIN_TRITON = (3, 2)
+# tl.gather (NA's bias and its gradient) is in Triton >= 3.3, whose compiler fails on NA's kernels
+# with a bias (an assertion of its thread-locality pass, for sm80 and sm90 alike: compiled on
+# scripts/simulated_gpu.py's device); Triton 3.4 compiles them.
+MIN_TRITON = (3, 4)
 
 
 @functools.lru_cache(maxsize=1)
@@ -332,18 +335,21 @@ def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
 # GPU). A launch whose arguments specialize as an earlier launch's did goes to the compiled
 # kernel's launcher directly, as JITFunction.run would: the same compiled kernel, grid, stream
 # and arguments. Its key holds what Triton's specialization reads, or more: each argument's
-# type, an int's, bool's or string's value (1 and multiples of 16 compile apart; so do i32 and i64), , the grid, the options,
-# the current device, Triton's debug and instrumentation knobs. Not kept: a tensor. Launches
-# with a launch hook (a profiler's), a pre-run hook or a pipeline-inspection hook set go
-# through JITFunction.run, and so does a call that leaves a parameter to its default or passes
-# an argument of another type. Triton's check that a kernel's globals did not change since it was
-# compiled is left out: these kernels' globals are constants (their digest covers them). Only
-# for the Triton versions whose JITFunction.run was read for this (its launcher's call):
-# others launch through it.
+# type; an int's, bool's or string's value (1 and multiples of 16 compile apart, so do i32 and
+# i64, and a bool apart from 1); a tensor's dtype and its address modulo 16 (Triton's
+# alignment); the grid, the options, the current device, Triton's debug and instrumentation
+# knobs. It keeps no tensor; its entry keeps the compiled kernel (loaded while the launcher may
+# call it). Launches with a launch hook (a profiler's), a pre-run hook or a pipeline-inspection
+# hook set go through JITFunction.run, and so does a call that leaves a parameter to its
+# default or passes an argument of another type. Triton's check that a kernel's globals did not
+# change since it was compiled is left out: these kernels' globals are constants (their digest
+# covers them). Only for the Triton versions whose JITFunction.run was read for this (its
+# launcher's call): others launch through it.
 _DIRECT_TRITON = ((3, 4), (3, 8))
 _DIRECT_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
 _TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
-# launch key -> (kernel, launcher, function, metadata, grid, the parameters given by name)
+# launch key -> (kernel, compiled kernel, its launcher, function and metadata, grid, the
+# parameters given by name)
 _launchers: Dict[tuple, tuple] = {}
 _LAUNCHERS_KEPT = 4096
 
@@ -371,8 +377,9 @@ def _launch_direct(kernel, grid, args, kwargs) -> None:
     active = driver.active
     device = active.get_current_device()
     # the kernel by its id (a JITFunction's hash is Python, some 1 us), checked on a hit
-    key = (id(kernel), grid, device, runtime.debug, getattr(compilation, "instrumentation_mode", ""),
-           tuple(map(type, args)), *kwargs.items(),
+    key = (id(kernel), grid, device, runtime.debug,
+           getattr(compilation, "instrumentation_mode", ""), tuple(map(type, args)),
+           *kwargs.items(), tuple(map(type, kwargs.values())),
            *[(a.dtype, a.data_ptr() & 15) if a.__class__ in _TENSORS else a for a in args])
     try:
         entry = _launchers.get(key)
@@ -383,10 +390,11 @@ def _launch_direct(kernel, grid, args, kwargs) -> None:
         if key is not None and _can_launch_directly(kernel, grid, args, kwargs, compiled):
             if len(_launchers) >= _LAUNCHERS_KEPT:
                 _launchers.clear()
-            _launchers[key] = (kernel, compiled.run, compiled.function, compiled.packed_metadata,
-                               grid + (1,) * (3 - len(grid)), _named(kernel, args))
+            _launchers[key] = (kernel, compiled, compiled.run, compiled.function,
+                               compiled.packed_metadata, grid + (1,) * (3 - len(grid)),
+                               _named(kernel, args))
         return
-    _, launcher, function, metadata, (x, y, z), named = entry
+    _, _, launcher, function, metadata, (x, y, z), named = entry
     if named:
         args += tuple([kwargs[name] for name in named])
     launcher(x, y, z, active.get_current_stream(device), function, metadata, None, None, None,
@@ -410,17 +418,21 @@ def _direct_kernel(kernel) -> bool:
         return known[1]
     global _triton
     direct = False
-    if not triton_missing() and not _interpreted():
-        import triton
-        from triton import knobs
+    if not triton_missing() and _direct_triton() and not _interpreted():
+        from triton import knobs  # (Triton >= 3.4)
         from triton.runtime.driver import driver
         from triton.runtime.jit import JITFunction
-        version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
         _triton = knobs.compilation, knobs.runtime, driver
-        direct = (isinstance(kernel, JITFunction)
-                  and _DIRECT_TRITON[0] <= version <= _DIRECT_TRITON[1])
+        direct = isinstance(kernel, JITFunction)
     _direct_kernels[id(kernel)] = kernel, direct
     return direct
+
+
+def _direct_triton() -> bool:
+    """The installed Triton is one whose launch was read for direct launches."""
+    import triton
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    return _DIRECT_TRITON[0] <= version <= _DIRECT_TRITON[1]
 
 
 def _named(kernel, args) -> tuple:
