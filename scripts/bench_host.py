@@ -14,7 +14,7 @@ autograd and forward + backward, microseconds per call, warm (the call key seen 
   malloc told to keep freed memory as torch's CUDA caching allocator does: ``caching_malloc``;
   the small torch work of the call, such as the rpb gradient's sum, is computed);
 
-* ``cpu, Triton's launch`` and ``cpu, direct launch``: the same CPU call with Triton's own
+* ``cuda, cpu, Triton's launch`` and ``cuda, cpu, direct launch``: the CPU call with Triton's own
   launch too, on a simulated GPU (scripts/simulated_gpu.py: the kernels compiled for sm90, the
   launcher a counter): through Triton's ``JITFunction.run`` at every launch, and with
   attnzoo's direct launches (``attnzoo.kernels.direct_launches``), as a GPU's host runs them

@@ -113,8 +113,7 @@ class SimulatedGPU:
         from attnzoo import kernels
         kernels._launchers.clear()
         for kernel in self._kernels:
-            # per device, its compiled kernels (Triton < 3.3: ``cache``)
-            (getattr(kernel, "device_caches", None) or getattr(kernel, "cache", {})).clear()
+            kernel.device_caches.clear()  # per device, its compiled kernels
         gc.collect()  # the compiled kernels unload through this driver
         vars(driver)[self._slot] = self._previous
 
