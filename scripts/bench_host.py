@@ -255,8 +255,7 @@ def measure_calls(number: int, repeat: int, simulated: bool) -> List[dict]:
     columns.append(("torch, meta", meta, "torch", captured))
 
     def add(cell, make, backend, enter):
-        with enter():
-            timings[cell] = _within(_call_timing(make, backend, cell[1], number), enter)
+        timings[cell] = _timing_within(enter, make, backend, cell[1], number)
 
     gpu = contextlib.nullcontext()
     if simulated:
@@ -285,8 +284,11 @@ def _direct_launches(enabled: bool):
         kernels.direct_launches(previous)
 
 
-def _within(timing: Callable[[], float], enter) -> Callable[[], float]:
-    """``timing`` taken inside the context ``enter()`` (its column's)."""
+def _timing_within(enter, make, backend, passes: str, number: int) -> Callable[[], float]:
+    """:func:`_call_timing`, made and taken inside the context ``enter()`` (its column's)."""
+    with enter():
+        timing = _call_timing(make, backend, passes, number)
+
     def timed() -> float:
         with enter():
             return timing()
@@ -305,10 +307,8 @@ def measure_gpu_calls(number: int, repeat: int) -> List[dict]:
             for backend in ("cuda", "torch"):
                 timings[label, passes, f"{backend}, gpu"] = _call_timing(make, backend, passes,
                                                                          number)
-            with _direct_launches(False):
-                timings[label, passes, GPU_TRITON] = _within(
-                    _call_timing(make, "cuda", passes, number),
-                    functools.partial(_direct_launches, False))
+            timings[label, passes, GPU_TRITON] = _timing_within(
+                functools.partial(_direct_launches, False), make, "cuda", passes, number)
     for passes in ("fwd", "fwd+bwd"):
         timings[SDPA, passes, "cuda, gpu"] = _call_timing(_sdpa("cuda"), None, passes, number)
     return _best_rows(timings, repeat)

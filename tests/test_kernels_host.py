@@ -85,7 +85,7 @@ def test_direct_launches_keep_to_the_tritons_whose_launch_was_read(monkeypatch, 
     import triton
     monkeypatch.setattr(kernels, "_interpreted", lambda: False)
     monkeypatch.setattr(kernels, "_direct_kernels", {})
-    monkeypatch.setattr(triton, "__version__", version)
+    monkeypatch.setattr(kernels, "triton_version", lambda: version)
     if not direct:
         monkeypatch.delattr(triton, "knobs")
         monkeypatch.setitem(sys.modules, "triton.knobs", None)  # importing it fails

@@ -346,8 +346,8 @@ def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
 # covers them). Only for the Triton versions whose JITFunction.run was read for this (its
 # launcher's call): others launch through it.
 _DIRECT_TRITON = ((3, 4), (3, 8))
-_DIRECT_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
-_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_TENSORS = frozenset(_PLAIN)
+_DIRECT_TYPES = _TENSORS | {int, float, bool, str, type(None)}
 # launch key -> (kernel, compiled kernel, its launcher, function and metadata, grid, the
 # parameters given by name)
 _launchers: Dict[tuple, tuple] = {}
@@ -387,12 +387,13 @@ def _launch_direct(kernel, grid, args, kwargs) -> None:
         entry = key = None
     if entry is None or entry[0] is not kernel:
         compiled = kernel[grid](*args, **kwargs)
-        if key is not None and _can_launch_directly(kernel, grid, args, kwargs, compiled):
+        named = tuple(p.name for p in kernel.params[len(args):])  # given by name, if at all
+        if key is not None and _can_launch_directly(kernel, grid, args, kwargs, named,
+                                                    compiled):
             if len(_launchers) >= _LAUNCHERS_KEPT:
                 _launchers.clear()
             _launchers[key] = (kernel, compiled, compiled.run, compiled.function,
-                               compiled.packed_metadata, grid + (1,) * (3 - len(grid)),
-                               _named(kernel, args))
+                               compiled.packed_metadata, grid + (1,) * (3 - len(grid)), named)
         return
     _, _, launcher, function, metadata, (x, y, z), named = entry
     if named:
@@ -418,7 +419,9 @@ def _direct_kernel(kernel) -> bool:
         return known[1]
     global _triton
     direct = False
-    if not triton_missing() and _direct_triton() and not _interpreted():
+    version = None if triton_missing() else _major_minor(triton_version())
+    if (version is not None and _DIRECT_TRITON[0] <= version <= _DIRECT_TRITON[1]
+            and not _interpreted()):
         from triton import knobs  # (Triton >= 3.4)
         from triton.runtime.driver import driver
         from triton.runtime.jit import JITFunction
@@ -428,23 +431,11 @@ def _direct_kernel(kernel) -> bool:
     return direct
 
 
-def _direct_triton() -> bool:
-    """The installed Triton is one whose launch was read for direct launches."""
-    import triton
-    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
-    return _DIRECT_TRITON[0] <= version <= _DIRECT_TRITON[1]
-
-
-def _named(kernel, args) -> tuple:
-    """The names of ``kernel``'s parameters after the ``args`` given positionally."""
-    return tuple(p.name for p in kernel.params[len(args):])
-
-
-def _can_launch_directly(kernel, grid, args, kwargs, compiled) -> bool:
+def _can_launch_directly(kernel, grid, args, kwargs, named, compiled) -> bool:
     """A launch's compiled kernel may be launched directly for its key: every argument given
-    (Triton's launcher takes them all, constexprs too, in the kernel's order: those after the
-    positional ones by name), each of a known type, the grid a tuple of ints."""
-    named = _named(kernel, args)
+    (Triton's launcher takes them all, constexprs too, in the kernel's order: ``named``, the
+    parameters after the positional ones, by name), each of a known type, the grid a tuple of
+    ints."""
     values = (*args, *[kwargs[name] for name in named if name in kwargs])
     return (compiled is not None and hasattr(compiled, "packed_metadata")
             and len(values) == len(kernel.params) and _DIRECT_TYPES.issuperset(map(type, values))
