@@ -155,8 +155,8 @@ def test_rpb_gradient_summed_over_many_programs():
     SUM_ROWS tables, a step spanning both batches), 25 entries in 16-entry slots, against the
     float64 reference."""
     rows = -(-1100 // 16)  # tables per batch and head
-    assert kn.SUM_ROWS.value < 2 * rows and rows % kn.SUM_ROWS.value  # a step spans both batches
-    assert kn.SUM_ENTRIES.value < 25
+    assert tiling.SUM_ROWS.value < 2 * rows and rows % tiling.SUM_ROWS.value  # spans both batches
+    assert tiling.SUM_ENTRIES.value < 25
     check_against_reference((2, 1100, 2, 4), 13, 1, config=kn.Config(Tiling(1, 16, 16), 4, 1))
 
 

@@ -25,6 +25,7 @@ if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra
     pytest.skip(kernels.triton_missing(), allow_module_level=True)
 
 from attnzoo.kernels import qna as kq  # noqa: E402
+from attnzoo.kernels import tiling  # noqa: E402
 from attnzoo.ops import qna as qna_module  # noqa: E402
 from attnzoo.ops import qna2d  # noqa: E402
 from kernel_checks import (  # noqa: E402
@@ -77,6 +78,20 @@ CASES = [
 @pytest.mark.parametrize("shape,k,stride,sum_queries", CASES)
 def test_qna_kernel_matches_the_reference_fp32(shape, k, stride, sum_queries, bounds_checked):
     check_against_reference(shape, k, stride, sum_queries)
+
+
+def test_table_gradients_summed_over_many_programs():
+    """The keys launch's last programs sum the delta launch's rpb and window-weight tables, one
+    per (batch, tile of outputs): here 9 batches x 4 tiles (more than one step of SUM_ROWS
+    tables, the last partial) of 18 entries (in 16-entry slots, the last partial), against
+    the float64 reference."""
+    shape, k = (9, 9, 9, 2, 1, 4), 3
+    tables = kq._geometry_of(shape[:5], shape[5], k, 1, True, torch.float32, torch.float32,
+                             torch.device("cpu")).tables()
+    rows, entries = tables.shape[1] * tables.shape[2], tables[0, 0, 0].numel()
+    assert tiling.SUM_ROWS.value < rows and rows % tiling.SUM_ROWS.value
+    assert tiling.SUM_ENTRIES.value < entries and entries % tiling.SUM_ENTRIES.value
+    check_against_reference(shape, k, 1)
 
 
 def test_defaults_without_rpb_or_window_weights():

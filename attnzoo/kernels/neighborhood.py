@@ -42,7 +42,7 @@ from . import (Allocation, Autotuner, KernelLimits, TuningStore, allocation, can
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, round_to, store_rows,
-                     tile_positions, to_base2, to_source)
+                     sum_programs, sum_tables, tile_positions, to_base2, to_source)
 
 __all__ = ["na_fused", "support", "not_supported_reasons", "call_reasons", "configs",
            "shared_memory", "Config", "LIMITS", "KERNELS", "INTERPRETED", "MAX_KERNEL_SIZE",
@@ -259,43 +259,14 @@ def _na_bwd_dkdv_kernel(
     one on the stream, has written every table."""
     if tl.program_id(0) >= n_tiles:
         if RPB_SUM:
-            _sum_rpb_tables(PARTIAL, DRPB, tl.program_id(0) - n_tiles, heads, batch,
-                            partial_rows, KH, KW)
+            sum_tables(PARTIAL, DRPB, tl.program_id(0) - n_tiles, heads, batch, partial_rows,
+                       (2 * KH - 1) * (2 * KW - 1))
     else:
         _dkdv_tile(Q, K, V, RPB, DO, LSE, DELTA, DK, DV_, sqb, sqy, sqx, sqh, sqd, skb, sky, skx,
                    skh, skd, svb, svy, svx, svh, svd, sdob, sdoy, sdox, sdoh, sdod, sdkb, sdky,
                    sdkx, sdkh, sdkd, sdvb, sdvy, sdvx, sdvh, sdvd, heads, H, W, D, DV, DIL_Y,
                    DIL_X, tiles_y, tiles_x, qk_scale, scale, KH, KW, TH, TW, BN, BD, BDV,
                    HAS_RPB, NREL, PRECISION)
-
-
-# the rpb gradient's reduction: table entries per program, and tables summed per step (a few
-# programs per head, appended to the dK/dV launch: each loads blocks of many tables, so that a
-# long sum takes few dependent steps; 128 tables a step made ptxas spill 4-8 B in some
-# launches' dK/dV tiles, on every arch: scripts/compile_kernels.py)
-SUM_ENTRIES = tl.constexpr(16)
-SUM_ROWS = tl.constexpr(32)
-
-
-@triton.jit
-def _sum_rpb_tables(PARTIAL, DRPB, r, heads, batch, partial_rows, KH: tl.constexpr,
-                    KW: tl.constexpr):
-    """Reduction program ``r``: ``SUM_ENTRIES`` entries of one head's rpb gradient, the sum of
-    that head's tables over every batch and dq program (``PARTIAL`` ``[batch, heads,
-    partial_rows, (2KH-1)(2KW-1)]``, float32) in a fixed order (deterministic), stored in
-    DRPB's dtype."""
-    N: tl.constexpr = (2 * KH - 1) * (2 * KW - 1)
-    blocks: tl.constexpr = (N + SUM_ENTRIES - 1) // SUM_ENTRIES
-    h = r // blocks
-    cols = (r % blocks) * SUM_ENTRIES + tl.arange(0, SUM_ENTRIES)
-    total = batch * partial_rows  # this head's tables, (batch, program) flattened
-    acc = tl.zeros([SUM_ROWS, SUM_ENTRIES], tl.float32)
-    for f0 in range(0, total, SUM_ROWS):
-        f = f0 + tl.arange(0, SUM_ROWS)
-        table = ((f // partial_rows) * heads + h).to(tl.int64) * partial_rows + f % partial_rows
-        acc += tl.load(PARTIAL + table[:, None] * N + cols[None, :],
-                       mask=(f[:, None] < total) & (cols[None, :] < N), other=0.)
-    tl.store(DRPB + h * N + cols, tl.sum(acc, 0), mask=cols < N)
 
 
 @triton.jit
@@ -698,7 +669,7 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
     _launch("dq", plans, q, v, kernel_size, dilation, rpb is not None, config, run_dq)
     partial = tables[0]
     if need_kv_grad:  # after dq, which writes delta and the rpb tables
-        sums = heads * -(-n_rel // SUM_ENTRIES.value) if need_rpb_grad else 0  # their programs
+        sums = sum_programs(heads, n_rel) if need_rpb_grad else 0  # their programs
         partial_rows = partial.numel() // (B * heads * n_rel)
 
         def run_dkdv(plan, warmup):

@@ -14,13 +14,14 @@ Backward, recomputing the probabilities from the log-sum-exp
 (``dz = p * (w * <g_l, v> - D_l)``, ``D_l = <g_l, out_l>``):
 
 * output-centric pass: ``D_l`` per output and learned query, summed over the window's taps
-  (with ``sum_queries`` the per-query results ``out_l`` are never stored);
+  (with ``sum_queries`` the per-query results ``out_l`` are never stored); and the rpb and
+  window-weight gradients, one number per (learned query, head, tap), summed per program over
+  its tile of outputs into a table per program;
 * key-centric pass: a tile of keys visits, per tap, the one output (if any) whose window holds
   it there (stride 2: a key is a tap of fewer windows), reads that output's gradient once for
   every query (with ``sum_queries`` they share it), and accumulates the gradients of its
-  logits and value in registers: overlapping windows need no atomics. The rpb and window
-  weight gradients, one number per (learned query, head, tap), are summed per program over the
-  tile and written to a table per program, summed afterwards (deterministic).
+  logits and value in registers: overlapping windows need no atomics. A few more programs of
+  this launch sum the first pass's tables (deterministic).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ import triton.language as tl
 
 from . import (Allocation, KernelLimits, allocation, eager, kernel_op, launch_on_device,
                once_differentiable)
-from .tiling import load_rows, pow2, program_tile, store_rows, tile_positions, to_base2
+from .tiling import (load_rows, pow2, program_tile, store_rows, sum_programs, sum_tables,
+                     tile_positions, to_base2)
 
 __all__ = ["qna_fused", "support", "not_supported_reasons", "call_reasons", "LIMITS"]
 
@@ -150,13 +152,16 @@ def _gradient_rows(G, b, sgb, h, sgh, q, sgl, y, x, sgy, sgx, sgd, seen, q_ok, D
 
 @triton.jit
 def _qna_bwd_delta_kernel(
-        LOGITS, V, RPB, WS, G, LSE, DELTA,
+        LOGITS, V, RPB, WS, G, LSE, DELTA, TABLES,
         slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sgb, sgy, sgx, sgl, sgh, sgd,
         heads, H, W, Ho, Wo, L, D,
         K: tl.constexpr, STRIDE: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-        BD: tl.constexpr, LP: tl.constexpr, SUM_QUERIES: tl.constexpr):
+        BD: tl.constexpr, LP: tl.constexpr, SUM_QUERIES: tl.constexpr, KKP: tl.constexpr):
     """``D_l = <g_l, out_l> = sum_t p_l(t) w_l(t) <g_l, v(t)>`` per output and learned query,
-    each tap's values read once for every query."""
+    each tap's values read once for every query; and this program's tables of the rpb and
+    window-weight gradients, summed over its outputs: per (query, tap), ``S = sum_o p <g, v>``
+    (the window weight's) and ``w S - sum_o p D`` (the rpb's, ``sum_o dz``), the second sum
+    once ``D`` is known, from the probabilities alone (no value read again)."""
     b, h, oy, ox, valid = _program(heads, Ho, Wo, TH, TW)
     q, q_ok, table = _queries(L, heads, h, K, LP)
     row_ok = q_ok[:, None] & valid[None, :]
@@ -164,7 +169,9 @@ def _qna_bwd_delta_kernel(
     g = _gradient_rows(G, b, sgb, h, sgh, q, sgl, oy, ox, sgy, sgx, sgd, valid, q_ok, D, BD,
                        SUM_QUERIES)
     lse = tl.load(LSE + q[:, None] * heads + lse_rows[None, :], mask=row_ok, other=0.)
+    taps = tl.arange(0, KKP)[None, :]  # a query's K*K table entries, in registers
     delta = tl.zeros([LP, TH * TW], tl.float32)
+    p_gv = tl.zeros([LP, KKP], tl.float32)
     for t in range(0, K * K):
         ky, kx, inside = _tap(oy, ox, t, H, W, STRIDE, K)
         inside = inside & valid
@@ -176,13 +183,56 @@ def _qna_bwd_delta_kernel(
         v = load_rows(V + b * svb + h * svh, ky, kx, svy, svx, svd, inside, D,
                       BD).to(tl.float32)
         w = tl.load(WS + table + t, mask=q_ok, other=0.)
-        delta += p * w[:, None] * tl.sum(g * v[None, :, :], 2)
+        pgv = p * tl.sum(g * v[None, :, :], 2)
+        delta += w[:, None] * pgv
+        p_gv += tl.where(taps == t, tl.sum(pgv, 1)[:, None], 0.)  # S, entry t
     tl.store(DELTA + q[:, None] * heads + lse_rows[None, :], delta, mask=row_ok)
+    p_delta = tl.zeros([LP, KKP], tl.float32)
+    for t in range(0, K * K):
+        ky, kx, inside = _tap(oy, ox, t, H, W, STRIDE, K)
+        ok = q_ok[:, None] & (inside & valid)[None, :]
+        z = tl.load(_per_query(LOGITS + b * slb + h * slh, q, sll, ky, kx, sly, slx), mask=ok,
+                    other=0.).to(tl.float32)
+        rpb = tl.load(RPB + table + t, mask=q_ok, other=0.)
+        p = tl.where(ok, tl.exp2(to_base2(z + rpb[:, None]) - lse), 0.)
+        p_delta += tl.where(taps == t, tl.sum(p * delta, 1)[:, None], 0.)  # sum_o p D, entry t
+    # TABLES [2, batch, tile, L, heads, K*K]: the rpb's, then the window weights' (the tile
+    # program_tile's, innermost); summed over batch and tile by the keys launch
+    n_tiles = tl.cdiv(Ho, TH) * tl.cdiv(Wo, TW)
+    entries = table[:, None] + taps
+    entry_ok = q_ok[:, None] & (taps < K * K)
+    DRPB = TABLES + (b * n_tiles + tl.program_id(0) % n_tiles) * L * heads * K * K
+    DWS = DRPB + tl.num_programs(0).to(tl.int64) * L * K * K
+    w = tl.load(WS + entries, mask=entry_ok, other=0.)
+    tl.store(DRPB + entries, w * p_gv - p_delta, mask=entry_ok)
+    tl.store(DWS + entries, p_gv, mask=entry_ok)
 
 
 @triton.jit
 def _qna_bwd_keys_kernel(
-        LOGITS, V, RPB, WS, G, LSE, DELTA, DLOGITS, DV, TABLES,
+        LOGITS, V, RPB, WS, G, LSE, DELTA, DLOGITS, DV, TABLES, TABLE_GRADS,
+        slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sgb, sgy, sgx, sgl, sgh, sgd,
+        sdlb, sdly, sdlx, sdll, sdlh, sdvb, sdvy, sdvx, sdvh, sdvd, key_programs, tables,
+        heads, H, W, Ho, Wo, L, D,
+        K: tl.constexpr, STRIDE: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+        BD: tl.constexpr, LP: tl.constexpr, SUM_QUERIES: tl.constexpr):
+    """Programs below ``key_programs``: a tile of keys. The programs after them sum
+    the delta launch's tables (``TABLES``, written before this launch on the stream) into
+    ``TABLE_GRADS`` (``[2, L, heads, K, K]``): the reduction rides this launch instead of
+    another."""
+    if tl.program_id(0) < key_programs:
+        _keys_tile(LOGITS, V, RPB, WS, G, LSE, DELTA, DLOGITS, DV, slb, sly, slx, sll, slh, svb,
+                   svy, svx, svh, svd, sgb, sgy, sgx, sgl, sgh, sgd, sdlb, sdly, sdlx, sdll,
+                   sdlh, sdvb, sdvy, sdvx, sdvh, sdvd, heads, H, W, Ho, Wo, L, D, K, STRIDE, TH,
+                   TW, BD, LP, SUM_QUERIES)
+    else:  # ``tables`` per half, of L * heads * K*K entries
+        sum_tables(TABLES, TABLE_GRADS, tl.program_id(0) - key_programs, 2, 1, tables,
+                   L * heads * K * K)
+
+
+@triton.jit
+def _keys_tile(
+        LOGITS, V, RPB, WS, G, LSE, DELTA, DLOGITS, DV,
         slb, sly, slx, sll, slh, svb, svy, svx, svh, svd, sgb, sgy, sgx, sgl, sgh, sgd,
         sdlb, sdly, sdlx, sdll, sdlh, sdvb, sdvy, sdvx, sdvh, sdvd,
         heads, H, W, Ho, Wo, L, D,
@@ -198,14 +248,6 @@ def _qna_bwd_keys_kernel(
                 other=0.).to(tl.float32)
     dv = tl.zeros([TH * TW, BD], tl.float32)
     dz_total = tl.zeros([LP, TH * TW], tl.float32)
-    # this program's tables in TABLES [2, batch, tile, L, heads, K*K], the rpb's then the window
-    # weights' (its tile: program_tile's, innermost): summed over batch and tile, they are the
-    # [L, heads, K, K] gradients, contiguous. A program per (batch, head, tile): the window
-    # weights' half starts programs * L * K*K entries in.
-    n_tiles = tl.cdiv(H, TH) * tl.cdiv(W, TW)
-    partial = (b * n_tiles + tl.program_id(0) % n_tiles) * L * heads * K * K + table
-    DRPB = TABLES + partial
-    DWS = DRPB + tl.num_programs(0).to(tl.int64) * L * K * K
     for t in range(0, K * K):
         ny = ky - t // K + (K - 1) // 2   # out * stride
         nx = kx - t % K + (K - 1) // 2
@@ -217,17 +259,15 @@ def _qna_bwd_keys_kernel(
         rows = q[:, None] * heads + (((b * Ho + oy) * Wo + ox) * L * heads + h)[None, :]
         lse = tl.load(LSE + rows, mask=ok, other=float("inf"))  # p = 0 where unseen
         delta = tl.load(DELTA + rows, mask=ok, other=0.)
-        g = _gradient_rows(G, b, sgb, h, sgh, q, sgl, oy, ox, sgy, sgx, sgd, seen, q_ok, D, BD,
-                           SUM_QUERIES)
         w = tl.load(WS + table + t, mask=q_ok, other=0.)
         rpb = tl.load(RPB + table + t, mask=q_ok, other=0.)
         p = tl.where(ok, tl.exp2(to_base2(z + rpb[:, None]) - lse), 0.)
+        # the gradient read after p: read before it, ptxas spilled 4 B at head dim 256 on sm90
+        g = _gradient_rows(G, b, sgb, h, sgh, q, sgl, oy, ox, sgy, sgx, sgd, seen, q_ok, D, BD,
+                           SUM_QUERIES)
         gv = tl.sum(g * v[None, :, :], 2)
-        dz = p * (w[:, None] * gv - delta)
-        dz_total += dz
+        dz_total += p * (w[:, None] * gv - delta)
         dv += tl.sum((p * w[:, None])[:, :, None] * g, 0)
-        tl.store(DRPB + t, tl.sum(dz, 1), mask=q_ok)
-        tl.store(DWS + t, tl.sum(p * gv, 1), mask=q_ok)
     tl.store(_per_query(DLOGITS + b * sdlb + h * sdlh, q, sdll, ky, kx, sdly, sdlx),
              dz_total.to(DLOGITS.dtype.element_ty), mask=key_ok)
     store_rows(DV + b * sdvb + h * sdvh, dv, ky, kx, sdvy, sdvx, sdvd, valid, D, BD)
@@ -268,13 +308,16 @@ class _Geometry(NamedTuple):
     allocations (:func:`~attnzoo.kernels.allocation`: as :func:`_forward_outputs` and
     :func:`_backward_outputs` make them for a trace)."""
     args: tuple     # heads, H, W, Ho, Wo, L, D, K, STRIDE, TH, TW, BD, LP, SUM_QUERIES
+    delta_args: tuple  # args, then KKP (the K*K taps padded to a power of two)
+    keys_args: tuple   # the keys' programs, the tables per half, then args
     outputs: tuple  # the forward's and delta's grid: a program per tile of outputs
-    keys: tuple     # the keys kernel's: a program per tile of keys
+    keys: tuple     # the keys kernel's: a program per tile of keys, then the tables' sums
     o: Allocation
     lse: Allocation  # and delta, laid out as it
     dlogits: Allocation
     dv: Allocation
-    tables: Allocation  # the keys kernel's rpb and window-weight tables (see there)
+    tables: Allocation  # the delta kernel's rpb and window-weight tables (see there)
+    table_grads: Allocation  # their sums, [2, L, heads, K, K]
 
 
 def _geometry(logits, v, kernel_size, stride, sum_queries) -> _Geometry:
@@ -290,15 +333,20 @@ def _geometry_of(shape, D, kernel_size, stride, sum_queries, logits_dtype, dtype
     o, lse = _output_shapes(tuple(shape), D, stride, sum_queries)
     Ho, Wo = lse[1:3]
     th, tw = tile(L, D)
-    tiles = -(-H // th) * -(-W // tw)
-    return _Geometry((heads, H, W, Ho, Wo, L, D, kernel_size, stride, th, tw, pow2(D, 1),
-                      pow2(L, 1), sum_queries),
-                     (B * heads * -(-Ho // th) * -(-Wo // tw),), (B * heads * tiles,),
+    output_tiles = -(-Ho // th) * -(-Wo // tw)
+    args = (heads, H, W, Ho, Wo, L, D, kernel_size, stride, th, tw, pow2(D, 1), pow2(L, 1),
+            sum_queries)
+    k2 = kernel_size * kernel_size
+    key_programs = B * heads * -(-H // th) * -(-W // tw)
+    return _Geometry(args, args + (pow2(k2, 1),), (key_programs, B * output_tiles) + args,
+                     (B * heads * output_tiles,),
+                     (key_programs + sum_programs(2, L * heads * k2),),
                      allocation(o, dtype, device), allocation(lse, torch.float32, device),
                      allocation(shape, logits_dtype, device),
                      allocation((B, H, W, heads, D), dtype, device),
-                     allocation((2, B, tiles, L, heads, kernel_size, kernel_size),
-                                torch.float32, device))
+                     allocation((2, B, output_tiles, L, heads, kernel_size, kernel_size),
+                                torch.float32, device),
+                     allocation((2, L, heads, kernel_size, kernel_size), torch.float32, device))
 
 
 def _output_shapes(shape: tuple, D, stride: int, sum_queries: bool) -> tuple:
@@ -332,7 +380,7 @@ def _forward_outputs(v, shapes):
 
 def _backward_outputs(logits, v, rpb):
     """The gradients of logits and v in their dtypes, and of the rpb and window weights
-    (``[L, heads, k, k]``) in float32, stacked: ``[2, L, heads, k, k]`` (as :func:`_backward`
+    (``[L, heads, k, k]``) in float32, stacked: ``[2, L, heads, k, k]`` (as the keys kernel
     sums them)."""
     return (torch.empty_like(logits, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -353,16 +401,15 @@ def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries, geo=
     if geo is None:
         geo = _geometry(logits, v, kernel_size, stride, sum_queries)
     g_strides = _g_strides(g, sum_queries)
-    delta = geo.lse()
+    delta, tables = geo.lse(), geo.tables()
     launch_on_device(_qna_bwd_delta_kernel, geo.outputs, logits, v, rpb, ws, g, lse, delta,
-                     *logits.stride(), *v.stride(), *g_strides, *geo.args, **_OPTIONS)
-    dlogits, dv = geo.dlogits(), geo.dv()
-    # every program's rpb and window-weight tables (see _qna_bwd_keys_kernel), summed by torch
-    tables = geo.tables()
+                     tables, *logits.stride(), *v.stride(), *g_strides, *geo.delta_args,
+                     **_OPTIONS)
+    dlogits, dv, table_grads = geo.dlogits(), geo.dv(), geo.table_grads()
     launch_on_device(_qna_bwd_keys_kernel, geo.keys, logits, v, rpb, ws, g, lse, delta, dlogits,
-                     dv, tables, *logits.stride(), *v.stride(), *g_strides, *dlogits.stride(),
-                     *dv.stride(), *geo.args, **_OPTIONS)
-    return dlogits, dv, tables.sum((1, 2))
+                     dv, tables, table_grads, *logits.stride(), *v.stride(), *g_strides,
+                     *dlogits.stride(), *dv.stride(), *geo.keys_args, **_OPTIONS)
+    return dlogits, dv, table_grads
 
 
 # The passes as custom ops (kernels.kernel_op), forward and backward.

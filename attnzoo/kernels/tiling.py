@@ -192,6 +192,40 @@ def online_softmax_step(s, m_i, l_i, acc, v, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
+# Sums of per-program tables (a gradient summed over the programs that each wrote a part of it,
+# NA's rpb and QnA's rpb and window weights): a few programs per table, appended to a later
+# launch of the same backward (its stream runs it after the tables are written). Each loads
+# blocks of many tables, so that a long sum takes few dependent steps; 128 tables a step made
+# ptxas spill 4-8 B in some of NA's launches' dK/dV tiles, on every arch
+# (scripts/compile_kernels.py).
+SUM_ENTRIES = tl.constexpr(16)
+SUM_ROWS = tl.constexpr(32)
+
+
+@triton.jit
+def sum_tables(PARTIAL, OUT, r, groups, batch, rows, N):
+    """Reduction program ``r``: ``SUM_ENTRIES`` entries of one group's table, the sum over
+    every batch and row of ``PARTIAL`` (``[batch, groups, rows, N]``, float32) in a fixed order
+    (deterministic), stored into ``OUT`` (``[groups, N]``) in its dtype. Programs: ``groups *
+    cdiv(N, SUM_ENTRIES)``."""
+    blocks = (N + SUM_ENTRIES - 1) // SUM_ENTRIES
+    g = r // blocks
+    cols = (r % blocks) * SUM_ENTRIES + tl.arange(0, SUM_ENTRIES)
+    total = batch * rows  # this group's tables, (batch, row) flattened
+    acc = tl.zeros([SUM_ROWS, SUM_ENTRIES], tl.float32)
+    for f0 in range(0, total, SUM_ROWS):
+        f = f0 + tl.arange(0, SUM_ROWS)
+        table = ((f // rows) * groups + g).to(tl.int64) * rows + f % rows
+        acc += tl.load(PARTIAL + table[:, None] * N + cols[None, :],
+                       mask=(f[:, None] < total) & (cols[None, :] < N), other=0.)
+    tl.store(OUT + g * N + cols, tl.sum(acc, 0), mask=cols < N)
+
+
+def sum_programs(groups: int, N: int) -> int:
+    """The programs of :func:`sum_tables` for ``groups`` tables of ``N`` entries."""
+    return groups * -(-N // SUM_ENTRIES.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
