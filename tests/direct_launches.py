@@ -135,6 +135,52 @@ def check_specializations(gpu) -> dict:
     return found
 
 
+@triton.jit
+def _copy(X, Y, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.store(Y + i, tl.load(X + i, mask=i < n), mask=i < n)
+
+
+def _launches(gpu, calls, kernel=_probe) -> dict:
+    """``calls`` (each ``(args, kwargs)`` for ``kernel``, or a callable run between launches):
+    each launch's compiled kernel and whether it went through JITFunction.run."""
+    functions, ran = [], []
+    for call in calls:
+        if callable(call):
+            call()
+            continue
+        gpu.launches.clear()
+        runs.clear()
+        kernels.launch_on_device(kernel, (1,), *call[0], **call[1])
+        functions.append(gpu.launches[0].function)
+        ran.append(len(runs))
+    return dict(functions=functions, runs=ran)
+
+
+def check_changes(gpu) -> dict:
+    """Direct launches, where what a key does not hold changes: a tensor given by name (the
+    second of another dtype and alignment), the kernel's compiled kernels forgotten (Triton's
+    cache cleared, as an updated source or a changed compile option clears it), the kernel's
+    own debug flag set."""
+    kernels.direct_launches(True)
+    gpu.watch(_copy)
+    base = torch.zeros(256)
+    found = dict(by_name=_launches(gpu, [
+        ((base,), dict(Y=y, n=17, B=16)) for y in (base, base.half()[1:], base)], _copy))
+    args = ((base, 17, 0.5, True, 64), {})
+    found["cache cleared"] = _launches(gpu, [args, args, _probe.device_caches.clear, args, args])
+
+    def debug(flag):
+        return lambda: setattr(_probe, "debug", flag)
+    flag = _probe.debug
+    try:
+        found["kernel debug"] = _launches(gpu, [args, debug(True), args, args, debug(flag),
+                                                args])
+    finally:
+        _probe.debug = flag
+    return found
+
+
 def check_hooks(gpu) -> dict:
     """A launch hook set (a profiler's): every launch goes through JITFunction.run, which
     hands the hook its metadata."""
@@ -165,6 +211,7 @@ def main() -> None:
     with simulated_gpu() as gpu:
         findings["families"] = check_families(gpu)
         findings["specializations"] = check_specializations(gpu)
+        findings["changes"] = check_changes(gpu)
         gpu.launches.clear()
         findings["hooks"] = check_hooks(gpu)
         findings["direct kernels"] = sorted(

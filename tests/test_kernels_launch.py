@@ -83,6 +83,27 @@ def test_each_specialization_gets_its_own_compiled_kernel(findings):
     assert function["address off 16 again"] == function["address off 16 bytes"]
 
 
+def test_what_the_key_leaves_out_goes_through_triton(findings):
+    """A tensor given by name goes through JITFunction.run at every launch (its dtype and
+    alignment are not keyed: fp32 and a misaligned fp16 get kernels of their own); a kernel
+    whose compiled kernels Triton forgot launches through it again, as does a kernel whose
+    debug flag was set, until each has a direct launcher of its own."""
+    changes = findings["changes"]
+    by_name = changes["by_name"]
+    assert by_name["runs"] == [1, 1, 1]
+    fp32, fp16, again = by_name["functions"]
+    assert fp32 != fp16 and again == fp32
+    direct = 0 if DIRECT else 1
+    cleared = changes["cache cleared"]
+    assert cleared["runs"] == [1, direct, 1, direct]
+    first, warm, recompiled, warm_again = cleared["functions"]
+    assert first == warm != recompiled == warm_again
+    debug = changes["kernel debug"]  # the kernel warm: its launches without debug, then with
+    assert debug["runs"] == [direct, 1, direct, direct]
+    plain, debugged, debugged_again, plain_again = debug["functions"]
+    assert plain != debugged == debugged_again and plain_again == plain
+
+
 def test_a_launch_hook_sends_launches_through_triton(findings):
     """With a launch hook set (a profiler's), a launch that has a direct launcher goes through
     JITFunction.run, which computes the hook's metadata."""
@@ -94,7 +115,7 @@ def test_direct_launches_are_for_the_tritons_read_and_leave_nothing_behind(findi
     (kernels._DIRECT_TRITON), none on another; leaving the simulated GPU forgets its
     launchers and restores Triton's driver."""
     launched = set(findings["direct kernels"])
-    every = {k for names in FAMILY_KERNELS.values() for k in names} | {"_probe"}
+    every = {k for names in FAMILY_KERNELS.values() for k in names} | {"_probe", "_copy"}
     assert launched == (every if DIRECT else set())
     assert findings["left"] == dict(launchers=0, restored=True)
 

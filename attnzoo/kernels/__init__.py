@@ -337,19 +337,21 @@ def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
 # and arguments. Its key holds what Triton's specialization reads, or more: each argument's
 # type; an int's, bool's or string's value (1 and multiples of 16 compile apart, so do i32 and
 # i64, and a bool apart from 1); a tensor's dtype and its address modulo 16 (Triton's
-# alignment); the grid, the options, the current device, Triton's debug and instrumentation
-# knobs. It keeps no tensor; its entry keeps the compiled kernel (loaded while the launcher may
-# call it). Launches with a launch hook (a profiler's), a pre-run hook or a pipeline-inspection
-# hook set go through JITFunction.run, and so does a call that leaves a parameter to its
-# default or passes an argument of another type. Triton's check that a kernel's globals did not
+# alignment); the grid, the options, the current device, the kernel's and Triton's debug flags
+# and Triton's instrumentation knob. It keeps no tensor; its entry keeps the compiled kernel
+# (loaded while the launcher may call it), and holds while Triton keeps the kernel's compiled
+# kernels for the device (a cleared cache or updated source: through run again). Launches with
+# a launch hook (a profiler's), a pre-run hook or a pipeline-inspection hook set go through
+# JITFunction.run, and so does a call that leaves a parameter to its default, passes an
+# argument of another type or a tensor by name. Triton's check that a kernel's globals did not
 # change since it was compiled is left out: these kernels' globals are constants (their digest
 # covers them). Only for the Triton versions whose JITFunction.run was read for this (its
 # launcher's call): others launch through it.
 _DIRECT_TRITON = ((3, 4), (3, 8))
 _TENSORS = frozenset(_PLAIN)
 _DIRECT_TYPES = _TENSORS | {int, float, bool, str, type(None)}
-# launch key -> (kernel, compiled kernel, its launcher, function and metadata, grid, the
-# parameters given by name)
+# launch key -> (kernel, its compiled kernels for the device (Triton's cache, cleared: a miss),
+# the compiled kernel, its launcher, function and metadata, grid, the parameters given by name)
 _launchers: Dict[tuple, tuple] = {}
 _LAUNCHERS_KEPT = 4096
 
@@ -377,7 +379,7 @@ def _launch_direct(kernel, grid, args, kwargs) -> None:
     active = driver.active
     device = active.get_current_device()
     # the kernel by its id (a JITFunction's hash is Python, some 1 us), checked on a hit
-    key = (id(kernel), grid, device, runtime.debug,
+    key = (id(kernel), grid, device, runtime.debug, kernel.debug,
            getattr(compilation, "instrumentation_mode", ""), tuple(map(type, args)),
            *kwargs.items(), tuple(map(type, kwargs.values())),
            *[(a.dtype, a.data_ptr() & 15) if a.__class__ in _TENSORS else a for a in args])
@@ -385,17 +387,20 @@ def _launch_direct(kernel, grid, args, kwargs) -> None:
         entry = _launchers.get(key)
     except TypeError:  # an unhashable argument: Triton's binder decides
         entry = key = None
-    if entry is None or entry[0] is not kernel:
+    # a hit: the same kernel, and Triton has kept its compiled kernels for the device since
+    caches = kernel.device_caches.get(device)
+    if entry is None or entry[0] is not kernel or entry[1] is not caches:
         compiled = kernel[grid](*args, **kwargs)
         named = tuple(p.name for p in kernel.params[len(args):])  # given by name, if at all
         if key is not None and _can_launch_directly(kernel, grid, args, kwargs, named,
                                                     compiled):
             if len(_launchers) >= _LAUNCHERS_KEPT:
                 _launchers.clear()
-            _launchers[key] = (kernel, compiled, compiled.run, compiled.function,
-                               compiled.packed_metadata, grid + (1,) * (3 - len(grid)), named)
+            _launchers[key] = (kernel, kernel.device_caches.get(device), compiled, compiled.run,
+                               compiled.function, compiled.packed_metadata,
+                               grid + (1,) * (3 - len(grid)), named)
         return
-    _, _, launcher, function, metadata, (x, y, z), named = entry
+    _, _, _, launcher, function, metadata, (x, y, z), named = entry
     if named:
         args += tuple([kwargs[name] for name in named])
     launcher(x, y, z, active.get_current_stream(device), function, metadata, None, None, None,
@@ -434,11 +439,13 @@ def _direct_kernel(kernel) -> bool:
 def _can_launch_directly(kernel, grid, args, kwargs, named, compiled) -> bool:
     """A launch's compiled kernel may be launched directly for its key: every argument given
     (Triton's launcher takes them all, constexprs too, in the kernel's order: ``named``, the
-    parameters after the positional ones, by name), each of a known type, the grid a tuple of
-    ints."""
+    parameters after the positional ones, by name), each of a known type, no tensor given by
+    name (the key holds a tensor's dtype and alignment for positional ones only), the grid a
+    tuple of ints."""
     values = (*args, *[kwargs[name] for name in named if name in kwargs])
     return (compiled is not None and hasattr(compiled, "packed_metadata")
             and len(values) == len(kernel.params) and _DIRECT_TYPES.issuperset(map(type, values))
+            and _TENSORS.isdisjoint(map(type, kwargs.values()))
             and 1 <= len(grid) <= 3 and all(type(g) is int for g in grid))
 
 
