@@ -3,7 +3,7 @@
 Every local-attention op in :mod:`attnzoo.ops` can run on several backends:
 
 * ``"torch"``  - pure PyTorch reference, any device and dtype; the numerical oracle.
-* ``"natten"`` - NATTEN's kernels (optional: ``pip install --no-build-isolation natten``).
+* ``"natten"`` - NATTEN's kernels (optional: ``pip install --no-build-isolation "natten>=0.20"``).
 * ``"cuda"``   - attnzoo's own fused Triton kernels (CUDA tensors; CPU only under
   ``TRITON_INTERPRET=1``).
 * ``"auto"``   - per call, the first backend of :data:`AUTO_ORDER` for the call's device that
@@ -82,12 +82,13 @@ class BackendUnsupportedError(ValueError):
     """An explicitly requested backend cannot run this call (or is not installed)."""
 
 
-def _check_name(name: object, argument: str = "backend") -> str:
+def _check_name(name: object, source: str = "") -> str:
+    """``name`` as a backend's name; ``source``: where it came from, if not an argument."""
     if not isinstance(name, str):
-        raise TypeError(f"{argument} must be a str, one of {BACKENDS}; got {type(name).__name__}")
+        raise TypeError(f"backend must be a str, one of {BACKENDS}; got {type(name).__name__}")
     lowered = name.strip().lower()
     if lowered not in BACKENDS:
-        raise ValueError(f"unknown {argument} {name!r}; accepted: {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown backend {name!r}{source}; accepted: {', '.join(BACKENDS)}")
     return lowered
 
 
@@ -185,7 +186,7 @@ def _requested(explicit: Optional[str]) -> Optional[str]:
 
 def _from_env() -> str:
     env = os.environ.get(ENV_VAR)
-    return _check_name(env, argument=f"environment variable {ENV_VAR}") if env else "auto"
+    return _check_name(env, f" (environment variable {ENV_VAR})") if env else "auto"
 
 
 def get_backend(explicit: Optional[str] = None) -> str:

@@ -224,8 +224,10 @@ def _cmd_bench(args, parser) -> int:
     model.train(args.backward)
     size = args.img_size or model.pretrained_cfg["input_size"][-1]
     x = torch.randn(args.batch_size, 3, size, size, device=device, dtype=dtype)
-    try:
-        macs = count_macs(model, (1, 3, size, size))
+    try:  # on the torch reference: each row below runs its own backend
+        with backends.use_backend("torch"):
+            macs = count_macs(model, (1, 3, size, size))
+            ops = _ops_used(model, x)
     except (ValueError, AssertionError, RuntimeError) as e:
         # the model rejects this input: below its minimum, or not the size a fixed-size model
         # (timm's own ViTs assert it) was built for
@@ -236,7 +238,7 @@ def _cmd_bench(args, parser) -> int:
     print(f"throughput, batch {args.batch_size}, {args.dtype} on {device}, "
           f"{'forward+backward' if args.backward else 'inference'}, {args.steps} steps:",
           flush=True)
-    if not _ops_used(model, x):
+    if not ops:
         rows = [None]  # no attnzoo op: the backend switch does not apply, one row says so
     else:
         rows = args.backends
@@ -258,6 +260,11 @@ def _cmd_bench(args, parser) -> int:
     return 0
 
 
+def _missing(path: str) -> str:
+    """Why ``path`` is not a file, in a phrase."""
+    return "is a folder, not a file" if os.path.isdir(path) else "does not exist"
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -268,7 +275,8 @@ def _cmd_convert(args, parser) -> int:
     try:
         state_dict = hub.load_official(args.model, args.checkpoint)
     except (ValueError, OSError, ImportError) as e:
-        parser.error(f"{args.checkpoint}: {_one_line(e)}")
+        message = _one_line(e)
+        parser.error(message if args.checkpoint in message else f"{args.checkpoint}: {message}")
     hub.save_converted(state_dict, args.out)
     import timm
     cfg = timm.create_model(args.model, device="meta").pretrained_cfg
@@ -391,6 +399,8 @@ def _cmd_export(args, parser) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         parser.error(f"{args.out}: folder {out_dir} does not exist")
+    if os.path.isdir(args.out):
+        parser.error(f"{args.out}: a folder; give the .onnx file's path")
     opsets = _export_opsets(args.dynamo)
     if args.opset is not None and args.opset not in opsets:
         other = _export_opsets(not args.dynamo)
@@ -424,8 +434,12 @@ def _cmd_export(args, parser) -> int:
     if refusal and size != cfg["input_size"][-1]:
         parser.error(f"--img-size {size}: {args.model} {refusal}")
     x = torch.randn(2, cfg["input_size"][0], size, size)
+    # the exported graph takes every op's export formula whatever the backend: the eager
+    # forwards here (the size check, onnx_export's own, --check's reference) run the torch
+    # reference
+    reference = backends.use_backend("torch")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), reference:
             model.eval()(x)
     except ValueError as e:
         parser.error(f"--img-size {size}: {args.model} cannot run a {size}x{size} input: "
@@ -438,8 +452,9 @@ def _cmd_export(args, parser) -> int:
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # Python checks of traced sizes
         warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's future
         warnings.filterwarnings("ignore", "Constant folding - Only steps=1", UserWarning)
-        onnx_export(model, args.out, example_input=x, opset=args.opset,
-                    dynamic_size=args.dynamic_size, use_dynamo=args.dynamo, check=True)
+        with reference:  # timm's onnx_export runs the model eagerly too
+            onnx_export(model, args.out, example_input=x, opset=args.opset,
+                        dynamic_size=args.dynamic_size, use_dynamo=args.dynamo, check=True)
     import onnx
     written = next(o.version for o in onnx.load(args.out, load_external_data=False).opset_import
                    if o.domain in ("", "ai.onnx"))
@@ -455,7 +470,7 @@ def _cmd_export(args, parser) -> int:
         other = size + 32 if args.dynamic_size else size
         diffs = []
         for inputs in (x, torch.randn(3, x.shape[1], other, other)):
-            with torch.no_grad():
+            with torch.no_grad(), reference:
                 logits = model(inputs)
             got = session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0]
             diff = float((torch.from_numpy(got) - logits).abs().max())
@@ -540,6 +555,8 @@ def _cmd_attention(args, parser) -> int:
     x = ((pixels - mean) / std).permute(2, 0, 1).unsqueeze(0)
     try:
         (name, amap), = attention_maps(model, x, args.layer).items()
+    except backends.BackendUnsupportedError as e:
+        parser.error(_one_line(e))
     except ValueError as e:
         option = "--layer" if str(e).startswith("layers:") else f"--img-size {size}"
         parser.error(f"{option}: {_one_line(e).removeprefix('layers: ')}")
@@ -679,7 +696,8 @@ def _cmd_configs(args, parser) -> int:
         print(text.rstrip("\n") if args.short else path)
         return 0
     if os.path.exists(args.out):
-        parser.error(f"-o {args.out}: the file exists; give a new path")
+        kind = "a folder" if os.path.isdir(args.out) else "the file exists"
+        parser.error(f"-o {args.out}: {kind}; give a new file's path")
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(folder):
         parser.error(f"-o {args.out}: folder {folder!r} does not exist")
@@ -696,7 +714,7 @@ def _cmd_timm(args, parser) -> int:
     Python would otherwise put first on sys.path."""
     script = args.script
     if not os.path.isfile(script):
-        parser.error(f"script {script!r} does not exist (timm's train.py, validate.py, "
+        parser.error(f"script {script!r} {_missing(script)} (timm's train.py, validate.py, "
                      "benchmark.py and inference.py are in timm's GitHub repository)")
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *args.script_args]
@@ -777,8 +795,9 @@ def _check_epilog() -> str:
         "how many of the op's check cases the backend runs here (the others say why not, in "
         "the notes under the table), the worst errors of the output and of the inputs' "
         "gradients, and the time of the check (backend and reference). Tolerances: "
-        f"{tolerances}. Without a GPU, the cuda backend's Triton kernels run under Triton's "
-        "interpreter with TRITON_INTERPRET=1 set (slow: --backend cuda --dtype fp32).", 79)
+        f"{tolerances}. Without a GPU, the cuda backend's Triton kernels run only under "
+        "Triton's interpreter: set TRITON_INTERPRET=1 yourself (slow: TRITON_INTERPRET=1 "
+        "attnzoo check --backend cuda --dtype fp32); otherwise its rows say 'not run'.", 79)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -994,6 +1013,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the command's own parser: `attnzoo list: error: ...`
         args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:  # ATTNZOO_BACKEND, which every model's forward reads: named now, not in a forward
+        backends.get_backend()
+    except ValueError as e:
+        args.parser.error(str(e))
     try:
         status = args.func(args, args.parser)
         sys.stdout.flush()  # a closed pipe shows here rather than at exit

@@ -100,13 +100,19 @@ _OFFICIAL_WEIGHTS_FIELDS = ("tag", "license", "origin_url", "notes", "hf_hub_id"
 # reading and converting checkpoints
 # ----------------------------------------------------------------------------------------------
 
+def _check_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"checkpoint {path!r} is a folder, not a checkpoint file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+
+
 def read_checkpoint(path: PathLike) -> Dict[str, Any]:
     """A torch (``.pth`` / ``.bin`` / ``.pt`` / ``.pth.tar``) or safetensors checkpoint, tensors on
     the CPU. A ``train.py`` checkpoint's ``args`` (an ``argparse.Namespace``) is allowed; nothing
     else that is not a tensor or a plain container is unpickled."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    _check_file(path)
     kind = "safetensors" if path.endswith(".safetensors") else checkpoint_kind(path)
     if kind is None:
         raise ValueError(f"{path!r} is not a torch or safetensors checkpoint: its first bytes are "
@@ -145,8 +151,7 @@ def _read_any(model_name: str, path: PathLike) -> Any:
     """The checkpoint at ``path`` read by the family's reader or, for torch / safetensors
     files, by :func:`read_checkpoint`."""
     module = _family_module(model_name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {os.fspath(path)!r} does not exist")
+    _check_file(os.fspath(path))
     reader = read_checkpoint if checkpoint_kind(path) else getattr(module, "read_checkpoint",
                                                                    read_checkpoint)
     return reader(path)
@@ -182,7 +187,12 @@ def load_official(model_name: str, path: PathLike, **model_kwargs) -> Dict[str, 
     """Read an official checkpoint of ``model_name``'s family and convert it to the state dict of
     ``timm.create_model(model_name, **model_kwargs)``; raises ``ValueError`` naming what does not
     match."""
-    return _convert(model_name, _read_any(model_name, path), **model_kwargs)
+    checkpoint = _read_any(model_name, path)
+    args = checkpoint.get("args") if isinstance(checkpoint, dict) else None
+    args = vars(args) if isinstance(args, argparse.Namespace) else args  # train.py's
+    if isinstance(args, Mapping):
+        _check_trained_as(model_name, os.path.basename(os.fspath(path)), args)
+    return _convert(model_name, checkpoint, **model_kwargs)
 
 
 # The files `attnzoo convert` writes, by the output's extension: both load with timm's
@@ -233,16 +243,22 @@ class LoadedCheckpoint(NamedTuple):
     from_args: str = ""
 
 
+def _check_trained_as(model_name: str, name: str, args: Mapping[str, Any]) -> None:
+    """A train.py checkpoint's ``args`` name ``model_name``'s architecture (two models of the
+    same weight shapes, NAT's and DiNAT's, would load each other's weights silently)."""
+    arch = model_name.split(".", 1)[0]
+    trained = str(args.get("model") or arch)
+    if trained.split(".", 1)[0] != arch:
+        raise ValueError(f"{name} was trained as {trained!r} (its args.model), not {arch!r}: "
+                         f"name {trained.split('.', 1)[0]} as its model")
+
+
 def _train_args(model_name: str, name: str,
                 args: Mapping[str, Any]) -> Tuple[Dict[str, Any], str]:
     """The ``timm.create_model`` arguments train.py built its model with (from the checkpoint's
     ``args``) that change the weights' shapes or the eval forward, and what they were, in a
     phrase. Its drop rates and BatchNorm momentum are left out: they train, nothing else."""
-    arch = model_name.split(".", 1)[0]
-    trained = str(args.get("model") or arch)
-    if trained.split(".", 1)[0] != arch:
-        raise ValueError(f"{name} was trained as {trained!r} (its args.model), not {arch!r}: "
-                         f"publish it as {trained.split('.', 1)[0]}")
+    _check_trained_as(model_name, name, args)
     kwargs: Dict[str, Any] = {}
     in_chans = args.get("in_chans") or (args.get("input_size") or (None,))[0]
     for key, value in (("num_classes", args.get("num_classes")), ("in_chans", in_chans),

@@ -1,5 +1,6 @@
 """The command line and the cost accounting behind `attnzoo bench` and the model cards."""
 import argparse
+import importlib.util
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ import timm
 import torch
 
 import attnzoo
-from attnzoo import cli
+from attnzoo import cli, hub
 from attnzoo.ops import na2d
 from attnzoo.profiling import count_macs, count_params
 from attnzoo import list_models as list_attnzoo_models
@@ -129,6 +130,10 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
      "output 'out.onnx': unknown extension; accepted: .safetensors, .pth, .pt, .bin"),
     (["convert", "nat_mini"], "the following arguments are required: CHECKPOINT, OUT"),
     (["timm", "/does/not/train.py"], "does not exist"),
+    (["timm", "/"], "script '/' is a folder, not a file"),
+    (["convert", "nat_mini", "/", "out.safetensors"],
+     "checkpoint '/' is a folder, not a checkpoint file"),
+    (["configs", "nat_tiny", "-o", "/"], "-o /: a folder; give a new file's path"),
     (["check", "--backend", "auto"], "argument --backend: invalid choice: 'auto' (choose from "
                                      "'torch', 'natten', 'cuda')"),
     (["check", "--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
@@ -181,6 +186,52 @@ def test_cli_user_errors_are_one_line_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"attnzoo {argv[0]}: error: ")
+
+
+def _one_line_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_train_checkpoint_of_another_model_is_refused(tmp_path, capsys):
+    """NAT's and DiNAT's weights have the same shapes: a train.py checkpoint of one is refused
+    as the other by convert as by the commands that load it (export, attention, publish)."""
+    path = tmp_path / "model_best.pth.tar"
+    torch.save({"epoch": 1, "arch": "nat_mini", "state_dict": {},
+                "args": argparse.Namespace(model="nat_mini")}, path)
+    refusal = ("model_best.pth.tar was trained as 'nat_mini' (its args.model), not "
+               "'dinat_mini': name nat_mini as its model")
+    err = _one_line_error(capsys, ["convert", "dinat_mini", str(path),
+                                   str(tmp_path / "out.safetensors")])
+    assert refusal in err and not (tmp_path / "out.safetensors").exists()
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        hub.load_checkpoint_model("dinat_mini", path)
+
+
+def test_a_bad_backend_in_the_environment_is_named_before_any_work(capsys, monkeypatch):
+    monkeypatch.setenv("ATTNZOO_BACKEND", "nonsense")
+    err = _one_line_error(capsys, ["bench", "nat_mini", "--img-size", "32"])
+    assert ("unknown backend 'nonsense' (environment variable ATTNZOO_BACKEND); accepted: "
+            "torch, natten, cuda, auto") in err and "--img-size" not in err
+
+
+def test_bench_and_export_run_whatever_backend_the_environment_asks(tmp_path, capsys,
+                                                                    monkeypatch):
+    """ATTNZOO_BACKEND=cuda on a CPU: bench's rows each run their own backend (cuda's says
+    why it cannot), and export's graph takes the export formulas whatever the backend."""
+    monkeypatch.setenv("ATTNZOO_BACKEND", "cuda")
+    assert cli.main(["bench", "nat_mini", "--img-size", "32", "--batch-size", "1", "--steps",
+                     "1", "--warmup", "0", "--backends", "torch,cuda"]) == 0
+    rows = [line.strip() for line in capsys.readouterr().out.splitlines()
+            if line.strip().startswith("[")]
+    assert "img/s" in rows[0] and "unavailable (backend 'cuda' cannot run" in rows[1], rows
+    if importlib.util.find_spec("onnx") is None:
+        pytest.skip("export needs onnx (installed by the dev extra)")
+    assert cli.main(["export", "nat_mini", str(tmp_path / "n.onnx"), "--img-size", "32"]) == 0
 
 
 def _convert_error(capsys, checkpoint, model="san10_pairwise") -> str:

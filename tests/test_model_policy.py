@@ -89,6 +89,23 @@ def test_bad_input_is_a_clear_error(name):
 
 
 @pytest.mark.parametrize("name", SMALLEST)
+def test_bad_constructor_arguments_are_named_when_the_model_is_built(name):
+    """in_chans and the drop rates are checked by the constructor, each error naming its
+    argument (0 channels built a model silently, or divided by zero in QnA-ViT's stem; a drop
+    path rate of 2 failed in the first training forward's bernoulli_)."""
+    for kwargs, error, message in [
+            (dict(in_chans=0), ValueError, "in_chans must be >= 1"),
+            (dict(in_chans="3"), TypeError, "in_chans must be an int, got str '3'"),
+            (dict(drop_path_rate=2.0), ValueError, "drop_path_rate must be in [0, 1), got 2.0"),
+            (dict(drop_rate=-0.1), ValueError, "drop_rate must be in [0, 1), got -0.1"),
+            (dict(drop_rate="0.1"), TypeError, "drop_rate must be a number")]:
+        with pytest.raises(error) as info:
+            timm.create_model(name, device="meta", **kwargs)
+        assert str(info.value).startswith(f"{name}: {message}"), info.value
+    timm.create_model(name, device="meta", in_chans=1, drop_rate=0.5, drop_path_rate=0.)
+
+
+@pytest.mark.parametrize("name", SMALLEST)
 def test_an_empty_batch_gives_empty_outputs_forward_and_backward(name):
     """As timm's ResNet and ViT do: batch 0 in, batch 0 out (logits and unpooled features of
     batch 1's shapes), and a backward pass with gradients of the input's shape."""

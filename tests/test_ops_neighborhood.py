@@ -15,6 +15,7 @@ registered cases (tests/test_ops_registry.py).
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import pytest
@@ -392,6 +393,19 @@ def test_natten_missing_message(natten_missing):
     # auto and torch are unaffected
     torch.testing.assert_close(na2d(q, k, v, kernel_size=3),
                                na2d(q, k, v, kernel_size=3, backend="torch"))
+
+
+def test_natten_missing_names_first_what_installing_it_would_not_change(natten_missing):
+    """With a bias (NAT's layers), NATTEN >= 0.20 could not run the call even installed: that
+    comes first, before the install hint."""
+    q, k, v = _f32()
+    with pytest.raises(BackendUnsupportedError) as info:
+        na2d(q, k, v, kernel_size=3, rpb=torch.zeros(2, 5, 5), backend="natten")
+    assert ("NATTEN >= 0.20 has no relative positional bias (rpb), and NATTEN is not installed"
+            in str(info.value)) and "pip install" not in str(info.value)
+    with pytest.raises(BackendUnsupportedError, match=re.escape(
+            'pip install --no-build-isolation "natten>=0.20"')):
+        na2d(q, k, v, kernel_size=3, backend="natten")
 
 
 def test_shape_and_argument_errors():

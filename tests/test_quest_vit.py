@@ -148,6 +148,10 @@ def test_state_dict_is_timms_attention_except_qknorm_scale():
         QuestAttention(DIM, HEADS, formulation='cosine')
     with pytest.raises(TypeError):
         QuestAttention(DIM, HEADS, not_an_arg=1)
+    # a model's attn_layer: a formulation, timm's own names, or a class; anything else named
+    with pytest.raises(ValueError, match="unknown attn_layer 'cosine'; accepted: 'quest', "
+                                         "'qnorm', 'qknorm', 'standard'"):
+        timm.create_model('quest_vit_tiny_patch16_224', device='meta', attn_layer='cosine')
 
 
 def _scale_keys(attn, factors):

@@ -132,7 +132,9 @@ def build_model(model_cls: type, variant: str, pretrained: bool, *,
     and how to load them (``no_weights_hint``, where given, replaces that advice: for a family
     that has no official weights at all); a tag whose Hub weights cannot be fetched (offline,
     no such repo yet, no token) raises one ``OSError`` naming the repo, why, and the same
-    advice, before timm's client would retry."""
+    advice, before timm's client would retry. ``in_chans`` and the drop rates are checked
+    first (a bad one would fail later, in a layer, without its name)."""
+    _check_build_args(variant, kwargs)
     if pretrained:
         cfg = _resolved_cfg(variant, kwargs)
         tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
@@ -151,6 +153,30 @@ def build_model(model_cls: type, variant: str, pretrained: bool, *,
         _check_hub_weights(tag, variant, cfg)
     return build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
                                 feature_cfg=feature_cfg, **kwargs)
+
+
+# constructor arguments every family takes whose bad values would fail far from them
+_RATES = ("drop_rate", "drop_path_rate", "attn_drop_rate", "proj_drop_rate", "pos_drop_rate")
+
+
+def _check_build_args(variant: str, kwargs: Dict[str, Any]) -> None:
+    in_chans = kwargs.get("in_chans")
+    if in_chans is not None:
+        if isinstance(in_chans, bool) or not isinstance(in_chans, int):
+            raise TypeError(f"{variant}: in_chans must be an int, got {type(in_chans).__name__} "
+                            f"{in_chans!r}")
+        if in_chans < 1:
+            raise ValueError(f"{variant}: in_chans must be >= 1 (the input's channels), got "
+                             f"{in_chans}")
+    for name in _RATES:
+        rate = kwargs.get(name)
+        if rate is None:
+            continue
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+            raise TypeError(f"{variant}: {name} must be a number, got {type(rate).__name__} "
+                            f"{rate!r}")
+        if not 0 <= rate < 1:
+            raise ValueError(f"{variant}: {name} must be in [0, 1), got {rate}")
 
 
 def unwrap_checkpoint(checkpoint: Dict[str, Any]) -> Dict[str, Any]:

@@ -39,6 +39,7 @@ import timm
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import PatchEmbed
 from timm.models import generate_default_cfgs, register_notrace_function
+import timm.models.vision_transformer as timm_vit
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
@@ -150,8 +151,14 @@ def _create_quest_vit(variant: str, pretrained: bool = False, **kwargs) -> Visio
                          "and 'dict' would return the blocks' [B, tokens, C] sequences, not maps")
     out_indices = kwargs.pop('out_indices', 3)
     attn_layer = kwargs.pop('attn_layer', 'quest')
-    if isinstance(attn_layer, str) and attn_layer in FORMULATIONS:
-        attn_layer = attn_layer_for(attn_layer)
+    if isinstance(attn_layer, str):
+        timm_names = tuple(getattr(timm_vit, 'ATTN_LAYERS', ()))  # timm's own, if any
+        if attn_layer in FORMULATIONS:
+            attn_layer = attn_layer_for(attn_layer)
+        elif attn_layer not in timm_names:
+            raise ValueError(f"{variant}: unknown attn_layer {attn_layer!r}; accepted: "
+                             f"{', '.join(map(repr, FORMULATIONS + timm_names))} or an attention "
+                             "module class")
     model = build_model(
         VisionTransformer, variant, pretrained,
         filter_fn=checkpoint_filter_fn,

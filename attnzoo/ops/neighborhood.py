@@ -641,7 +641,7 @@ def _natten():
         import natten.functional as nf
     except ImportError as e:
         return None, (f"NATTEN is not installed ({e}); install it with "
-                      "`pip install --no-build-isolation natten` (after torch)")
+                      "`pip install --no-build-isolation \"natten>=0.20\"` (after torch)")
     if hasattr(nf, "na2d_qk") and hasattr(nf, "na2d_av"):
         return nf, "legacy"
     if hasattr(natten, "na2d"):
@@ -682,7 +682,10 @@ def _natten_limits(call: NACall) -> Optional[str]:
 def _natten_support(call: NACall) -> Optional[str]:
     module, api = _natten()
     if module is None:
-        return api
+        # what the NATTEN that installs today could not run either comes first: installing
+        # it would not help (NATTEN <= 0.17.5, with rpb, builds only against older torch)
+        limit = _natten_limits(call)
+        return api if limit is None else f"{limit}, and NATTEN is not installed"
     if api == "legacy":
         return None
     limit = _natten_limits(call)
