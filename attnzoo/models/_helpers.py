@@ -155,7 +155,8 @@ def build_model(model_cls: type, variant: str, pretrained: bool, *,
                                 feature_cfg=feature_cfg, **kwargs)
 
 
-# constructor arguments every family takes whose bad values would fail far from them
+# the drop rates a family may take (some are only the ViT's), each a probability: a bad one
+# failed far from its argument (drop path: in the first training forward's bernoulli_)
 _RATES = ("drop_rate", "drop_path_rate", "attn_drop_rate", "proj_drop_rate", "pos_drop_rate")
 
 
