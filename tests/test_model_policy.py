@@ -1,5 +1,7 @@
 """The model policy (attnzoo/models/__init__.py), checked on the smallest model of every family:
 a new family is held to it without writing these tests again."""
+import re
+
 import pytest
 import timm
 import torch
@@ -103,6 +105,28 @@ def test_bad_constructor_arguments_are_named_when_the_model_is_built(name):
             timm.create_model(name, device="meta", **kwargs)
         assert str(info.value).startswith(f"{name}: {message}"), info.value
     timm.create_model(name, device="meta", in_chans=1, drop_rate=0.5, drop_path_rate=0.)
+
+
+@pytest.mark.parametrize("name", SMALLEST)
+def test_bad_feature_indices_are_named_with_the_range_accepted(name):
+    """out_indices (features_only) and forward_intermediates' / prune_intermediate_layers'
+    indices out of range or of another type: one error naming the argument and the range (timm
+    gave a list IndexError, or an assertion with the index converted)."""
+    n = len(timm.create_model(name, device="meta").feature_info)
+    for indices, error in [((n,), ValueError), ((-n - 1,), ValueError), (n + 1, ValueError),
+                           (0, ValueError), ((), ValueError), ("1", TypeError),
+                           ((1.5,), TypeError), ((True,), TypeError)]:
+        with pytest.raises(error, match=rf"^out_indices={re.escape(repr(indices))}: accepted: "
+                                        rf"None \(all\), an int from 1 to {n} "):
+            timm.create_model(name, device="meta", features_only=True, out_indices=indices)
+    timm.create_model(name, device="meta", features_only=True, out_indices=(-n, n - 1))
+    if family(name).token_output:
+        return  # timm's ViT: forward_intermediates is timm's own
+    model = timm.create_model(name).eval()
+    with pytest.raises(ValueError, match=rf"^indices=\[{n}\]: accepted: "):
+        model.forward_intermediates(_input(model, batch=1), indices=[n])
+    with pytest.raises(ValueError, match=rf"^indices={n + 1}: accepted: "):
+        model.prune_intermediate_layers(n + 1)
 
 
 @pytest.mark.parametrize("name", SMALLEST)

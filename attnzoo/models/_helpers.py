@@ -18,7 +18,8 @@ from timm.models._registry import get_pretrained_cfg
 from ._weights import HUB_ORG, hub_repo, pending_repo
 
 __all__ = ["HUB_ORG", "hub_repo", "checkpoint_kind", "build_model", "unwrap_checkpoint",
-           "rename_key", "replace_prefix", "check_state_dict", "check_image_input", "per_stage"]
+           "rename_key", "replace_prefix", "check_state_dict", "check_image_input", "per_stage",
+           "check_indices"]
 
 
 def checkpoint_kind(path) -> Optional[str]:
@@ -178,6 +179,26 @@ def _check_build_args(variant: str, kwargs: Dict[str, Any]) -> None:
                             f"{rate!r}")
         if not 0 <= rate < 1:
             raise ValueError(f"{variant}: {name} must be in [0, 1), got {rate}")
+
+
+def check_indices(argument: str, indices: Any, n: int, what: str = "stages") -> None:
+    """``indices`` as timm's ``feature_take_indices`` takes them for ``n`` features (``None``:
+    all; an int: the last that many; a sequence: those, negative from the end), else a
+    ``ValueError`` / ``TypeError`` naming ``argument`` and what is accepted (timm's own
+    assertion gave a converted index, and a list index error said nothing)."""
+    accepted = (f"accepted: None (all), an int from 1 to {n} (the last that many) or a "
+                f"sequence of ints from {-n} to {n - 1}, for the {n} {what}")
+    if indices is None:
+        return
+    if isinstance(indices, int) and not isinstance(indices, bool):
+        if not 1 <= indices <= n:
+            raise ValueError(f"{argument}={indices}: {accepted}")
+        return
+    if not isinstance(indices, Sequence) or isinstance(indices, str) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise TypeError(f"{argument}={indices!r}: {accepted}")
+    if not indices or any(not -n <= i < n for i in indices):
+        raise ValueError(f"{argument}={indices!r}: {accepted}")
 
 
 def unwrap_checkpoint(checkpoint: Dict[str, Any]) -> Dict[str, Any]:

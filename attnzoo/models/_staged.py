@@ -24,7 +24,7 @@ from timm.models._manipulate import checkpoint_seq
 
 from .. import backends
 from ..ops.neighborhood import static_size
-from ._helpers import build_model, check_image_input
+from ._helpers import build_model, check_image_input, check_indices
 
 __all__ = ["StagedModel", "Stage", "build_staged", "mlp_rows", "staged_cfg"]
 
@@ -73,6 +73,8 @@ def build_staged(model_cls: type, variant: str, pretrained: bool, num_stages: in
     """:func:`build_model` for a :class:`StagedModel` of ``num_stages`` stages: by default
     ``features_only`` returns every stage's output (``out_indices`` overrides)."""
     out_indices = kwargs.pop('out_indices', tuple(range(num_stages)))
+    if kwargs.get('features_only'):
+        check_indices('out_indices', out_indices, num_stages)
     return build_model(model_cls, variant, pretrained, filter_fn=filter_fn,
                        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices),
                        **kwargs)
@@ -198,6 +200,8 @@ class StagedModel(nn.Module):
         """
         assert output_fmt in ('NCHW', 'NHWC'), 'Output format must be NCHW or NHWC.'
         intermediates = []
+        if not torch.jit.is_scripting():
+            check_indices('indices', indices, len(self.stages))
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         x = self._check_input(x)
         x = self.stem(x)
@@ -226,6 +230,7 @@ class StagedModel(nn.Module):
             prune_head: bool = True,
     ) -> List[int]:
         """Drop the stages (and norm / head) not needed for the intermediates ``indices``."""
+        check_indices('indices', indices, len(self.stages))
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         prune_end = max_index < len(self.stages) - 1
         self.stages = self.stages[:max_index + 1]

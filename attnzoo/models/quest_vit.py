@@ -44,7 +44,8 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from ..layers.quest import FORMULATIONS, attn_layer_for
-from ._helpers import build_model, check_image_input, check_state_dict, unwrap_checkpoint
+from ._helpers import (build_model, check_image_input, check_indices, check_state_dict,
+                       unwrap_checkpoint)
 from ._registry import register_model
 
 __all__ = ["checkpoint_filter_fn", "from_timm_weights", "TIMM_COUNTERPARTS"]
@@ -150,6 +151,8 @@ def _create_quest_vit(variant: str, pretrained: bool = False, **kwargs) -> Visio
                          f"for this token model, got feature_cls={feature_cls!r}: 'hook', 'fx' "
                          "and 'dict' would return the blocks' [B, tokens, C] sequences, not maps")
     out_indices = kwargs.pop('out_indices', 3)
+    if kwargs.get('features_only'):  # a feature per block (timm's ViT's default depth: 12)
+        check_indices('out_indices', out_indices, kwargs.get('depth', 12), 'blocks')
     attn_layer = kwargs.pop('attn_layer', 'quest')
     if isinstance(attn_layer, str):
         timm_names = tuple(getattr(timm_vit, 'ATTN_LAYERS', ()))  # timm's own, if any
