@@ -34,7 +34,7 @@ first configuration without a GPU to time on, with ``ATTNZOO_AUTOTUNE=0``, or un
 
 **Determinism.** Every kernel is deterministic: no atomics; what several programs contribute to
 one value (the rpb and window-weight gradients) is written per program and summed afterwards
-in a fixed order (NA's by more programs of a later launch, QnA's by torch). Two runs of a call
+in a fixed order (by more programs of a later launch of the same backward). Two runs of a call
 with the same launch configuration are bitwise equal; under
 ``torch.use_deterministic_algorithms(True)`` the configuration is fixed too.
 
