@@ -483,15 +483,15 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def tensors_key(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
-    """Each tensor's ``(shape, dtype, device)`` (``None`` for ``None``): what an op's argument
-    checks decide a tensor by. ``None`` where one is not a plain tensor: no key, the checks run
+    """Each tensor's ``(shape, strides, dtype, device)`` (``None`` for ``None``): what an op's
+    argument checks decide a tensor by (the strides: whether the kernels' offsets reach). ``None`` where one is not a plain tensor: no key, the checks run
     (and say what is wrong); a traced tensor's sizes may be symbolic."""
     key = []
     for t in tensors:
         if t is None:
             key.append(None)
         elif type(t) in _PLAIN_TENSORS:
-            key.append((t.shape, t.dtype, t.device))
+            key.append((t.shape, t.stride(), t.dtype, t.device))
         else:
             return None
     return tuple(key)

@@ -707,8 +707,10 @@ def stage_tests(stage: Stage) -> None:
     before = _triton_compiles()
     print(f"pytest in {workers} process(es) beside `attnzoo check`", flush=True)
     check_log = open(stage.work / "check.txt", "w")
+    # its tuning is timed beside the tests' kernels: not written to the autotune cache that a
+    # later bench reads (pytest's conftest keeps the tests' choices out of it too)
     check = subprocess.Popen(check_cmd, cwd=ROOT, stdout=check_log, stderr=subprocess.STDOUT,
-                             text=True)
+                             text=True, env=dict(os.environ, ATTNZOO_AUTOTUNE_CACHE="0"))
     tests = subprocess.Popen(pytest_cmd, cwd=ROOT)
     _wait(tests, stage.left() - 5)
     _wait(check, stage.left() - 3)

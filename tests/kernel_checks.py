@@ -180,6 +180,9 @@ def opcheck(op, args, backward_op: bool = False) -> None:
         () if backward_op else ("test_aot_dispatch_dynamic",)))
 
 
+CPU = torch.device("cpu")  # the device a fake tuner's choices are for
+
+
 def fake_tuner(times, store=None):
     """An autotuner whose configurations (the keys of ``times``) all "compile" without spills
     and time as ``times`` says: ``(tuner, launch, launched)``, ``launched`` the configurations

@@ -7,12 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
 from attnzoo import kernels
-from kernel_checks import fake_tuner
+from kernel_checks import CPU, fake_tuner
 
 ROOT = Path(__file__).resolve().parents[1]
 SCOPE = "Simulated GPU sm_90 triton 3.6.0 attnzoo 0.1.0"
@@ -85,7 +86,7 @@ def test_a_choice_holds_for_its_scope_only_and_every_scope_is_kept(tmp_path):
     path = tmp_path / "autotune.json"
     for scope, timed in (("gpu A", 2), ("gpu B", 2), ("gpu A", 0)):  # A's reused, B tunes
         tuner, launch, launched = fake_tuner(_TIMES, kernels.TuningStore(lambda: path))
-        assert tuner.choose("k", "ab", launch, tune=True, scope=scope) == "b"
+        assert tuner.choose("k", "ab", launch, tune=True, scope=scope, device=CPU) == "b"
         assert len(launched) == timed, scope
     assert json.loads(path.read_text())["entries"] == {"gpu A": {"'k'": 1}, "gpu B": {"'k'": 1}}
 
@@ -99,8 +100,8 @@ def test_a_corrupt_or_foreign_cache_is_ignored_with_one_warning(tmp_path, caplog
     store = kernels.TuningStore(lambda: path)
     tuner, launch, launched = fake_tuner(_TIMES, store)
     with caplog.at_level(logging.WARNING, logger="attnzoo.kernels"):
-        assert tuner.choose("k1", "ab", launch, tune=True, scope="gpu") == "b"
-        assert tuner.choose("k2", "ab", launch, tune=True, scope="gpu") == "b"
+        assert tuner.choose("k1", "ab", launch, tune=True, scope="gpu", device=CPU) == "b"
+        assert tuner.choose("k2", "ab", launch, tune=True, scope="gpu", device=CPU) == "b"
     warnings = [r for r in caplog.records if "ignoring the autotune cache" in r.getMessage()]
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
     entries = json.loads(path.read_text())["entries"]  # replaced by a valid file
@@ -122,12 +123,36 @@ def test_persistence_can_be_turned_off_and_an_unwritable_cache_warns(tmp_path, m
     tuner, launch, _ = fake_tuner(
         _TIMES, kernels.TuningStore(lambda: blocker / "autotune.json"))
     with caplog.at_level(logging.WARNING, logger="attnzoo.kernels"):
-        assert tuner.choose("k", "ab", launch, tune=True, scope="gpu") == "b"
+        assert tuner.choose("k", "ab", launch, tune=True, scope="gpu", device=CPU) == "b"
     assert "cannot write the autotune cache" in caplog.text
 
 
 def test_a_key_tries_a_bounded_number_of_configurations():
     pytest.importorskip("triton")
     tuner, launch, launched = fake_tuner(dict.fromkeys("abcdefgh", 1.0))
-    tuner.choose("k", "abcdefgh", launch, tune=True)
+    tuner.choose("k", "abcdefgh", launch, tune=True, device=CPU)
     assert launched == list("abcdefgh"[:kernels.MAX_CONFIGS])
+
+
+def test_threads_writing_one_cache_lose_nothing_and_warn_nothing(tmp_path, caplog):
+    """Each write goes through a file of its own writer's (process and thread) before it
+    replaces the cache: threads of one process tuning at once never install another's half-
+    written file, nor find their file gone."""
+    path = tmp_path / "autotune.json"
+    store = kernels.TuningStore(lambda: path)
+    store.get("gpu", "k")  # read once (empty), as the tuner does first
+    start = threading.Barrier(6)
+
+    def tune(t):
+        start.wait()
+        for i in range(25):
+            store.put("gpu", (t, i), i % 3)
+    threads = [threading.Thread(target=tune, args=(t,)) for t in range(6)]
+    with caplog.at_level(logging.WARNING, logger="attnzoo.kernels"):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert "autotune cache" not in caplog.text
+    entries = json.loads(path.read_text())["entries"]["gpu"]
+    assert entries == {repr((t, i)): i % 3 for t in range(6) for i in range(25)}

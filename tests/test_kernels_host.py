@@ -185,7 +185,7 @@ def test_an_untuned_choice_is_kept_only_where_no_call_will_tune(monkeypatch):
     assert plans == ["fwd", "fwd"]
     monkeypatch.setattr(kn, "can_tune", lambda device: True)
     monkeypatch.setattr(kn, "tuning_scope", lambda device: "simulated")
-    monkeypatch.setattr(kn._TUNER, "choose", lambda key, space, launch, tune, scope: (
+    monkeypatch.setattr(kn._TUNER, "choose", lambda key, space, launch, tune, scope, device: (
         tuned.append(key), kn._TUNER.best.setdefault(key, space[0]))[1])
     for _ in range(2):
         na2d(q, q, q, kernel_size=3, backend="cuda")

@@ -17,6 +17,7 @@ gates ``auto`` and the autotuner are tested on CPU with the device query simulat
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -44,8 +45,8 @@ from attnzoo.ops import na1d, na1d_qkv, na2d, na2d_qkv  # noqa: E402
 from attnzoo.ops import neighborhood as nbh  # noqa: E402
 import model_checks  # noqa: E402
 from kernel_checks import (  # noqa: E402
-    DispatchedOps, assert_matches_reference, check_auto_waits_for_a_verification, rerun_without_a_gpu,
-    verification, weighted_grads)
+    CPU, DispatchedOps, assert_matches_reference, check_auto_waits_for_a_verification,
+    rerun_without_a_gpu, verification, weighted_grads)
 from tiny_models import NAT_MINI_CUT  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -734,18 +735,59 @@ def test_autotuner_keeps_the_fastest_config_that_compiles_and_fits_without_spill
     tuner = kernels.Autotuner(bench=lambda fn: fn() or times[launched[-1]])
     with caplog.at_level(logging.WARNING, logger="attnzoo.kernels"):
         # c spills, e does not compile (its reason logged); d does not fit
-        assert tuner.choose("key", "abce", launch, tune=True) == "b"
-        assert tuner.choose("fits", "db", launch, tune=True) == "b"
+        assert tuner.choose("key", "abce", launch, tune=True, device=CPU) == "b"
+        assert tuner.choose("fits", "db", launch, tune=True, device=CPU) == "b"
     assert "configuration e of key does not compile, left out: RuntimeError: PassManager::run " \
            "failed" in caplog.text and "MLIR dump" not in caplog.text
     assert sorted(launched) == ["a", "b", "b"]
-    assert tuner.choose("key", "abcd", launch, tune=True) == "b" and len(launched) == 3  # cached
-    assert tuner.choose("other", "abcd", launch, tune=False) == "a"  # untuned: the default
+    # cached; untuned: the default
+    assert tuner.choose("key", "abcd", launch, tune=True, device=CPU) == "b" and len(launched) == 3
+    assert tuner.choose("other", "abcd", launch, tune=False, device=CPU) == "a"
     compiled["a"] = compiled["b"] = _Compiled(16)
-    assert tuner.choose("spilling", "abcd", launch, tune=True) == "c"  # all spill: the fewest
+    # all spill: the fewest
+    assert tuner.choose("spilling", "abcd", launch, tune=True, device=CPU) == "c"
     with pytest.raises(RuntimeError, match="no configuration of nothing fits this GPU.*compile "
                                            "errors: e: RuntimeError: PassManager"):
-        tuner.choose("nothing", "de", launch, tune=True)
+        tuner.choose("nothing", "de", launch, tune=True, device=CPU)
+
+
+def test_the_autotuner_compiles_loads_and_times_with_the_call_s_device_current(monkeypatch):
+    """Triton loads a compiled kernel into the current device's context, and its timer records
+    events and synchronises on the current device: tuning a call on cuda:1 while cuda:0 is
+    current must run with cuda:1 current (a simulated device switch: no GPU here)."""
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], torch.device(d).index
+        try:
+            yield
+        finally:
+            current[0] = before
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    seen = []
+
+    class Compiled(_Compiled):
+        def _init_handles(self):
+            seen.append(("load", current[0]))
+
+    def launch(config, warmup=False):
+        seen.append(("warmup" if warmup else "launch", current[0]))
+        return Compiled(0) if warmup else None
+
+    def bench(fn):
+        seen.append(("timer", current[0]))
+        fn()
+        return len(seen)
+
+    for index in (1, 0):
+        seen.clear()
+        tuner = kernels.Autotuner(bench)
+        assert tuner.choose("key", "ab", launch, tune=True,
+                            device=torch.device("cuda", index)) == "a"
+        assert {what for what, _ in seen} == {"warmup", "load", "timer", "launch"}
+        assert {where for _, where in seen} == {index} and current[0] == 0, seen
 
 
 def test_autotuning_can_be_turned_off(monkeypatch):

@@ -63,6 +63,7 @@ import logging
 import math
 import os
 import re
+import threading
 import tokenize
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence
@@ -75,7 +76,8 @@ __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info",
            "Autotuner", "Verification", "records", "record_files", "verified", "unverified",
            "launch_on_device", "capture_launches", "capturing", "kernel_op", "eager", "can_tune",
            "will_tune", "TuningStore", "tuning_cache_path", "tuning_scope", "allocation",
-           "kernels_digest", "source_digest"]
+           "kernels_digest", "source_digest", "INT32_MAX", "wide_offsets", "narrow_offsets",
+           "joined"]
 
 _logger = logging.getLogger(__name__)
 
@@ -190,6 +192,12 @@ class KernelLimits(NamedTuple):
                                f"{_kib(info.shared_memory)}")
         return reasons + self.call_reasons(dtype, head_dims)
 
+    def offsets_reason(self) -> str:
+        """Why a call that :func:`wide_offsets` finds is refused."""
+        return (f"{self.name} address the elements of one sample (a batch entry) with 32-bit "
+                f"offsets; this call's tensors reach more than {INT32_MAX} elements within "
+                "one")
+
     def call_reasons(self, dtype: torch.dtype, head_dims: Sequence[int]) -> List[str]:
         """The reasons of :meth:`reasons` that the call alone decides, on any machine (its dtype,
         its head dims): what a model card can say. Empty if none."""
@@ -200,6 +208,42 @@ class KernelLimits(NamedTuple):
             reasons.append(f"{self.name} support head_dim up to {self.max_head_dim}, got "
                            f"{max(head_dims)}")
         return reasons
+
+
+# The kernels address a sample's elements (a batch entry's: every dimension but the first) with
+# 32-bit offsets, the batch's own offset 64-bit: compiled, a wider offset would wrap around, and
+# the access would fault or read elsewhere.
+INT32_MAX = 2 ** 31 - 1
+
+
+def wide_offsets(*tensors: Optional[torch.Tensor], elements: int = 0) -> bool:
+    """Whether one sample of a tensor (its dimensions after the first) holds more than
+    :data:`INT32_MAX` elements, or reaches through its strides further than that from the
+    sample's first element; or ``elements`` (the most elements of one sample of an output
+    the host code allocates, contiguous) is more than that. Such a call is beyond the kernels'
+    offsets. A contiguous tensor of at most that many elements is decided at once."""
+    if elements > INT32_MAX:
+        return True
+    for t in tensors:
+        if t is None or (t.numel() <= INT32_MAX and t.is_contiguous()) or t.numel() == 0:
+            continue
+        sizes, strides = t.shape[1:], t.stride()[1:]
+        if math.prod(sizes) > INT32_MAX or sum(
+                (n - 1) * s for n, s in zip(sizes, strides)) > INT32_MAX:
+            return True
+    return False
+
+
+def narrow_offsets(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient (which autograd may hand over as a view into a larger tensor) that the
+    kernels can address: itself, or a contiguous copy where its strides reach beyond
+    32-bit offsets (its elements are the checked output's, so a copy fits)."""
+    return grad.contiguous() if wide_offsets(grad) else grad
+
+
+def joined(*reasons: Optional[str]) -> Optional[str]:
+    """Reasons a backend cannot run a call, as one; ``None`` if there are none."""
+    return "; ".join(r for r in reasons if r) or None
 
 
 def _interpreted() -> bool:
@@ -482,9 +526,11 @@ class Autotuner:
         self.best: Dict[Hashable, Any] = {}
 
     def choose(self, key: Hashable, configs: Sequence[Any], launch: Callable[..., Any],
-               tune: bool, scope: str = "") -> Any:
+               tune: bool, scope: str = "", *, device: torch.device) -> Any:
         """``scope``: what the choice holds for besides ``key`` (the GPU, Triton and attnzoo:
-        :func:`tuning_scope`), under which the store keeps it."""
+        :func:`tuning_scope`), under which the store keeps it. ``device``: the call's; the
+        timing runs with it current (a compiled kernel loads into the current device's context,
+        and Triton's timer records its events and synchronises there)."""
         if torch.are_deterministic_algorithms_enabled():
             return configs[0]
         if key in self.best:
@@ -496,7 +542,9 @@ class Autotuner:
         if stored is not None and stored < len(configs):  # chosen by an earlier process
             self.best[key] = configs[stored]
             return self.best[key]
-        best = self._time(key, configs, launch)
+        guard = device.type == "cuda" and device.index != torch.cuda.current_device()
+        with torch.cuda.device(device) if guard else contextlib.nullcontext():
+            best = self._time(key, configs, launch)
         self.best[key] = best
         if self.store is not None:
             self.store.put(scope, key, configs.index(best))
@@ -560,20 +608,28 @@ class TuningStore:
     first step compiles and times nothing: per scope (:func:`tuning_scope`) and call key, the
     index of the chosen configuration in the key's space. Read once per process; each new
     choice is merged into the file as it is then (other processes write it too) and written
-    whole, atomically. A file that cannot be read, is not JSON or is not this format is
-    ignored, with one warning; one that cannot be written, likewise."""
+    whole, atomically (one writer at a time in a process: threads may tune at once). A file
+    that cannot be read, is not JSON or is not this format is ignored, with one warning; one
+    that cannot be written, likewise. Two processes writing at the same moment may each miss the
+    other's newest choice, which is then tuned again by a later process."""
 
     def __init__(self, path: Callable[[], Optional[Path]] = tuning_cache_path):
         self.path = path
         self.entries: Optional[Dict[str, Dict[str, int]]] = None
+        self._lock = threading.Lock()
 
     def get(self, scope: str, key: Hashable) -> Optional[int]:
-        if self.entries is None:
-            self.entries = self._read(self.path())
-        index = self.entries.get(scope, {}).get(repr(key))
+        with self._lock:
+            if self.entries is None:
+                self.entries = self._read(self.path())
+            index = self.entries.get(scope, {}).get(repr(key))
         return index if isinstance(index, int) and index >= 0 else None
 
     def put(self, scope: str, key: Hashable, index: int) -> None:
+        with self._lock:
+            self._put(scope, key, index)
+
+    def _put(self, scope: str, key: Hashable, index: int) -> None:
         path = self.path()
         if self.entries is None:
             self.entries = {}

@@ -37,8 +37,8 @@ import triton.language as tl
 from torch.autograd import forward_ad
 
 from . import (Allocation, Autotuner, KernelLimits, TuningStore, allocation, can_tune,
-               device_info, eager, kernel_op, launch_on_device, once_differentiable, tiling,
-               tuning_scope, will_tune)
+               device_info, eager, kernel_op, launch_on_device, narrow_offsets,
+               once_differentiable, tiling, tuning_scope, will_tune)
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, round_to, store_rows,
@@ -586,7 +586,7 @@ def _plan(kernel, plans, q, v, kernel_size, dilation, has_rpb, config, run) -> _
         tune = can_tune(q.device)
         config = _TUNER.choose(tune_key, space,
                                lambda c, warmup=False: run(plan_of(c), warmup), tune,
-                               tuning_scope(q.device) if tune else "")
+                               tuning_scope(q.device) if tune else "", device=q.device)
         # untuned where a later call may tune (while tracing or capturing a CUDA graph): not final
         final = tune or tune_key in _TUNER.best or not will_tune(q.device)
     plan = plan_of(config)
@@ -639,6 +639,7 @@ def _backward(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, need_rpb_g
               need_kv_grad, config=None, dqkv=None, plans=None):
     """dq, dk, dv and the rpb gradient (:func:`_backward_outputs`); ``plans``: the forward's
     (:func:`_forward`), or None."""
+    do = narrow_offsets(do)
     if plans is None:
         plans = _call_plans(q, v, kernel_size, dilation, rpb, config)
     KH, KW = kernel_size

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import (Allocation, KernelLimits, allocation, eager, kernel_op, launch_on_device,
-               once_differentiable)
+               narrow_offsets, once_differentiable)
 from .tiling import (load_rows, pow2, program_tile, store_rows, sum_programs, sum_tables,
                      tile_positions, to_base2)
 
@@ -398,6 +398,7 @@ def _forward(logits, v, rpb, ws, kernel_size, stride, sum_queries):
 
 def _backward(g, logits, v, rpb, ws, lse, kernel_size, stride, sum_queries, geo=None):
     """The gradients of :func:`_backward_outputs`; ``geo``: the forward's, or None."""
+    g = narrow_offsets(g)
     if geo is None:
         geo = _geometry(logits, v, kernel_size, stride, sum_queries)
     g_strides = _g_strides(g, sum_queries)

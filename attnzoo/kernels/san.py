@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import (KernelLimits, allocation, eager, kernel_op, launch_on_device,
-               once_differentiable)
+               narrow_offsets, once_differentiable)
 from .tiling import pow2, program_tile, tile_positions
 
 __all__ = ["support", "not_supported_reasons", "call_reasons", "LIMITS",
@@ -346,6 +346,7 @@ def _subtraction_forward(x1, x2, fp):
 
 
 def _subtraction_backward(g, shape, fp, same: bool):
+    g = narrow_offsets(g)
     N, C, H, W = shape
     Ho, Wo = _out_size(fp, H, W)
     dx1, dx2 = _subtraction_grads_out(g, shape, same)
@@ -365,6 +366,7 @@ def _aggregation_forward(x, weight, fp):
 
 def _aggregation_backward(go, x, weight, fp, x_grad: bool, weight_grad: bool):
     """(dx, dweight), each empty where not asked for."""
+    go = narrow_offsets(go)
     N, C, H, W = x.shape
     Cw = weight.shape[1]
     Ho, Wo = _out_size(fp, H, W)

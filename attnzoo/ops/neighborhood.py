@@ -659,6 +659,7 @@ class NACall(NamedTuple):
     grad: bool
     kernel_size: Tuple[int, ...] = ()  # () where unknown: no kernel-size limit is checked
     v_dim: int = 0                     # 0: same as head_dim
+    wide: bool = False                 # beyond the kernels' offsets (kernels.wide_offsets)
 
 
 def _device_type(call: NACall) -> str:
@@ -734,8 +735,10 @@ def _cuda_support(call: NACall) -> Optional[str]:
     if reason is not None:
         return reason
     from ..kernels import neighborhood as kernel
-    return kernel.support(call.device, call.dtype, call.head_dim, call.v_dim or call.head_dim,
-                          call.kernel_size, backward=call.grad)
+    return kernels.joined(
+        kernel.support(call.device, call.dtype, call.head_dim, call.v_dim or call.head_dim,
+                       call.kernel_size, backward=call.grad),
+        kernel.LIMITS.offsets_reason() if call.wide else None)
 
 
 def _cuda_limits(call: NACall) -> Optional[str]:
@@ -851,8 +854,9 @@ def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, qkv):
     windows only: a tuple may hold a bool, which equals an int."""
     def check():
         ks, dil = _check_call(q, k, v, kernel_size, dilation, rpb, scale, n, _NAMES[n, packed])
+        wide = kernels.wide_offsets(q, k, v)  # the output and gradients: as v, contiguous
         return ks, dil, tuple(NACall(n, str(q.device), q.dtype, q.shape[-1], rpb is not None,
-                                     grad, ks, v.shape[-1]) for grad in (False, True)), (
+                                     grad, ks, v.shape[-1], wide) for grad in (False, True)), (
             q.numel() == 0 or v.numel() == 0)
 
     packed = qkv is not None

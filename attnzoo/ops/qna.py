@@ -443,6 +443,7 @@ class QnACall(NamedTuple):
     sum_queries: bool
     grad: bool
     head_dim: int = 0
+    wide: bool = False  # beyond the kernels' offsets (kernels.wide_offsets)
 
 
 def _natten_limits(call: QnACall) -> Optional[str]:
@@ -461,7 +462,8 @@ def _cuda_support(call: QnACall) -> Optional[str]:
     if reason is not None:
         return reason
     from ..kernels import qna as kernel
-    return kernel.support(call.device, call.dtype, call.head_dim)
+    return kernels.joined(kernel.support(call.device, call.dtype, call.head_dim),
+                          kernel.LIMITS.offsets_reason() if call.wide else None)
 
 
 def _cuda_limits(call: QnACall) -> Optional[str]:
@@ -633,8 +635,11 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
     def check():  # once per call metadata: the call's keys without and with gradients, and
         # whether a tensor is empty
         _check_call(logits, v, kernel_size, stride, rpb, window_weights, sum_queries)
+        _, H, W, L = logits.shape[:4]  # an output sample: [Ho, Wo, (L,) heads, head_dim]
+        out = -(-H // stride) * -(-W // stride) * (1 if sum_queries else L) * math.prod(v.shape[3:])
+        wide = kernels.wide_offsets(logits, v, elements=out)
         return tuple(QnACall(str(v.device), v.dtype, kernel_size, stride, sum_queries, grad,
-                             v.shape[-1]) for grad in (False, True)), (
+                             v.shape[-1], wide) for grad in (False, True)), (
             logits.numel() == 0 or v.numel() == 0)
 
     tensors = backends.tensors_key(logits, v, rpb, window_weights)

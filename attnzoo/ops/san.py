@@ -33,6 +33,7 @@ the subtractions one per output element (as SAN's official counter counts them).
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -394,6 +395,7 @@ class SANCall(NamedTuple):
     stride: Tuple[int, int]
     padding_mode: str
     grad: bool
+    wide: bool = False  # beyond the kernels' offsets (kernels.wide_offsets)
 
 
 def _natten_limits(op: str):
@@ -421,7 +423,8 @@ def _cuda_support(call: SANCall) -> Optional[str]:
     if reason is not None:
         return reason
     from ..kernels import san as kernel
-    return kernel.support(call.device, call.dtype)
+    return kernels.joined(kernel.support(call.device, call.dtype),
+                          kernel.LIMITS.offsets_reason() if call.wide else None)
 
 
 def _cuda_limits(call: SANCall) -> Optional[str]:
@@ -552,10 +555,15 @@ for _name, _impl, _macs in (("san_aggregation", aggregation_reference, _aggregat
 # public ops
 # --------------------------------------------------------------------------------------------
 
-def _call(x: torch.Tensor, fp: Footprint, *tensors: torch.Tensor) -> SANCall:
+def _call(x: torch.Tensor, fp: Footprint, *tensors: torch.Tensor, taps: int = 1) -> SANCall:
+    """``taps``: an output sample's per channel and output position (the subtractions' one
+    per footprint tap)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x,) + tensors)
+    out = 0 if x.numel() * taps <= kernels.INT32_MAX else (  # at most x's size times taps
+        x.shape[1] * taps * math.prod(_out_size(fp, *x.shape[-2:])))
+    wide = kernels.wide_offsets(x, *tensors, elements=out)
     return SANCall(str(x.device), x.dtype, fp.kernel_size, fp.dilation, fp.stride,
-                   fp.padding_mode, grad)
+                   fp.padding_mode, grad, wide)
 
 
 def san_subtraction(x: torch.Tensor, *, kernel_size: IntOrPair, dilation: IntOrPair = 1,
@@ -577,7 +585,7 @@ def san_subtraction(x: torch.Tensor, *, kernel_size: IntOrPair, dilation: IntOrP
     """
     fn = "san_subtraction"
     fp = _footprint(fn, _check_map(fn, "x", x), kernel_size, dilation, stride, padding_mode)
-    return backends.dispatch(fn, _call(x, fp), backend, x, fp)
+    return backends.dispatch(fn, _call(x, fp, taps=fp.taps), backend, x, fp)
 
 
 def san_subtraction2(x1: torch.Tensor, x2: torch.Tensor, *, kernel_size: IntOrPair,
@@ -594,7 +602,7 @@ def san_subtraction2(x1: torch.Tensor, x2: torch.Tensor, *, kernel_size: IntOrPa
                          f"{tuple(x2.shape)}")
     _same(fn, x1, x2, "x1 and x2")
     fp = _footprint(fn, x1, kernel_size, dilation, stride, padding_mode)
-    return backends.dispatch(fn, _call(x1, fp, x2), backend, x1, x2, fp)
+    return backends.dispatch(fn, _call(x1, fp, x2, taps=fp.taps), backend, x1, x2, fp)
 
 
 def san_aggregation(x: torch.Tensor, weight: torch.Tensor, *, kernel_size: IntOrPair,
