@@ -337,7 +337,7 @@ def _resolve(op: str, key: tuple, requested: str) -> str:
         for name in AUTO_ORDER.get(device, ("torch",)):
             backend = spec.backends.get(name)
             if backend and backend.support(key) is None and backend.trusted(key) is None:
-                _logger.debug("attnzoo: auto backend for %s%s -> %s", op, key, name)
+                _logger.debug("attnzoo: auto backend for %s %s -> %s", op, key, name)
                 return name
         reasons = "; ".join(f"{b}: {r}" for b, r in available_backends(op, key).items())
         raise BackendUnsupportedError(f"no attnzoo backend can run {op} for {key} ({reasons})")

@@ -56,6 +56,15 @@ from .profiling import count_macs, count_params, first_line, model_step, time_st
 EXPORT_TOLERANCE = 1e-4
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CHECK_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # either spelling, both
+
+
+def _long_dtype(name: str) -> str:
+    return {short: long for long, short in _SHORT.items()}.get(name, name)
+
+
+def _short_dtype(name: str) -> str:
+    return _SHORT.get(name, name)
 # bench's rows: what auto picks, then every backend that runs ops
 _BENCH_BACKENDS = ("auto",) + backends.CONCRETE_BACKENDS
 
@@ -580,7 +589,8 @@ def _cmd_attention(args, parser) -> int:
     n = amap.weights.shape[amap.axes.index(group)]
     labels = ([f"{group} {i}" for i in range(n)] if args.head == "all" else
               [f"mean of {n} {group}s"] if args.head == "mean" else [f"{group} {args.head}"])
-    if "query" in amap.axes:  # QnA: each learned query has its own weights; their mean drawn
+    if amap.keys is not None and "query" in amap.axes:  # QnA: per learned query, mean drawn
+        # (global attention's "query" axis is the tokens', of which one row is drawn)
         queries = amap.weights.shape[amap.axes.index("query")]
         labels = [f"{label}, mean of {queries} learned queries" for label in labels]
     title = (f"{args.model} {name}: query ({gy}, {gx}) of its {rows}x{cols} grid\n"
@@ -829,7 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cpu", "cuda"], help="where to run")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model and input")
+    p.add_argument("--dtype", default="float32", type=_long_dtype, choices=sorted(_DTYPES),
+                   help="model and input (fp32, fp16, bf16 too)")
     p.add_argument("--backends", type=_backend_list, default=",".join(_BENCH_BACKENDS),
                    help=f"comma-separated backends to time, of {', '.join(backends.BACKENDS)}")
     p.add_argument("--steps", type=_int_at_least(1), default=5, help="timed steps")
@@ -912,8 +923,9 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog=_check_epilog())
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cpu", "cuda"], help="where to run the backends")
-    p.add_argument("--dtype", default=None, choices=[*_CHECK_DTYPES, "all"],
-                   help="dtype of the backends' inputs (default: all on cuda, fp32 on cpu)")
+    p.add_argument("--dtype", default=None, type=_short_dtype, choices=[*_CHECK_DTYPES, "all"],
+                   help="dtype of the backends' inputs (float32, float16, bfloat16 too; default: "
+                        "all on cuda, fp32 on cpu)")
     p.add_argument("--backend", nargs="+", default=None, choices=backends.CONCRETE_BACKENDS,
                    metavar="NAME",
                    help=f"backends to check, of {', '.join(backends.CONCRETE_BACKENDS)} "

@@ -171,6 +171,8 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
     (["attention", "nat_mini", "x.png", "--query", "1,1"],
      "the following arguments are required: --layer"),
     (["configs", "nat_tny"], "no training recipe named 'nat_tny'; did you mean nat_tiny"),
+    (["configs", "dinat_large"], "no training recipe for dinat_large: its ImageNet-22k "
+                                 "pre-training recipe is unpublished"),
     (["configs", "-o", "x.yaml"], "-o/--out needs a recipe NAME"),
     (["configs", "nat_mini", "--short"], "--short needs --num-classes: the class count of your "
                                          "data"),
@@ -195,6 +197,13 @@ def _one_line_error(capsys, argv) -> str:
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     return err
+
+
+def test_bench_and_check_take_either_spelling_of_a_dtype():
+    parser = cli.build_parser()
+    for given, bench, check in (("bf16", "bfloat16", "bf16"), ("float16", "float16", "fp16")):
+        assert parser.parse_args(["bench", "nat_mini", "--dtype", given]).dtype == bench
+        assert parser.parse_args(["check", "--dtype", given]).dtype == check
 
 
 def test_a_train_checkpoint_of_another_model_is_refused(tmp_path, capsys):
@@ -445,6 +454,7 @@ def test_cli_attention_draws_the_query(model, layer, head, panels, picture, tmp_
                      "--head", head, "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}: " in printed and "random weights" in printed
+    assert "learned queries" not in printed  # QnA's alone (QUEST's queries are its tokens)
     with Image.open(out) as drawn:  # one 400 px panel per head, up to four a row
         assert drawn.format == "PNG" and drawn.size[0] == 400 * panels
 

@@ -69,6 +69,43 @@ def test_every_feature_cls_returns_the_stage_outputs(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", SMALLEST)
+def test_a_file_trained_on_the_classes_asked_for_keeps_its_head(name, tmp_path):
+    """timm drops a checkpoint's classifier when num_classes differs from the tag's 1000: a
+    train.py checkpoint of 4 classes, or a safetensors file of them, loads whole; ImageNet's
+    1000-class head is left out for 4 classes (fine-tuning), the rest loaded."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    trained = timm.create_model(name, num_classes=4).eval()
+    x = _input(trained)
+    files = [tmp_path / "last.pth.tar", tmp_path / "model.safetensors"]
+    torch.save({"epoch": 3, "arch": name, "state_dict": trained.state_dict()}, files[0])
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, files[1])
+    for path in files:
+        loaded = timm.create_model(name, pretrained=True, num_classes=4,
+                                   pretrained_cfg_overlay=dict(file=str(path))).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), trained(x), rtol=0, atol=0)
+    imagenet = timm.create_model(name).eval()
+    torch.save(imagenet.state_dict(), tmp_path / "in1k.pth")
+    tuned = timm.create_model(name, pretrained=True, num_classes=4,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / "in1k.pth")))
+    assert tuned.get_classifier().weight.shape[0] == 4
+    body = {k: v for k, v in imagenet.state_dict().items() if not k.startswith("head")}
+    assert all(torch.equal(tuned.state_dict()[k], v) for k, v in body.items())
+
+
+@pytest.mark.parametrize("name", SMALLEST)
+def test_torch_fx_traces_the_model_as_timm_s_tracer_does(name):
+    """Plain ``torch.fx.symbolic_trace`` (docs/models.md lists torch.fx), not only timm's tracer,
+    which honours register_notrace_function: the checks and dispatches are leaves for both."""
+    model = timm.create_model(name).eval()
+    traced = torch.fx.symbolic_trace(model)
+    x = _input(model)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", SMALLEST)
 def test_pretrained_tags_are_honest(name):
     """A tag loads downloadable weights or says how to get the official ones (or, where none
     exist, how to initialise from standard ones): never random."""
@@ -78,6 +115,9 @@ def test_pretrained_tags_are_honest(name):
             continue
         with pytest.raises(ValueError, match="attnzoo convert|from_timm_weights"):
             timm.create_model(tag, pretrained=True, device="meta")
+    # an unknown tag is timm's error, not a complaint about the default tag's weights
+    with pytest.raises(RuntimeError, match=f"Invalid pretrained tag \\(bogus\\) for {name}"):
+        timm.create_model(f"{name}.bogus", pretrained=True, device="meta")
 
 
 @pytest.mark.parametrize("name", SMALLEST)
@@ -162,3 +202,31 @@ def test_attn_drop_rate_is_taken_or_refused_in_one_line(name):
     message = str(info.value)
     assert message.startswith("attn_drop_rate=0.1: ") and "\n" not in message
     assert "no attention-weight dropout" in message and "drop_path_rate" in message
+
+
+def test_the_layers_name_bad_sizes_and_inputs():
+    """A zero, negative or bool size is named when a layer is built (it divided by zero, or
+    built a layer that failed at its first forward); an input that is not its channels-last
+    map is named at the forward (a matmul's shape error before)."""
+    from attnzoo.layers import LocalSelfAttention, NeighborhoodAttention2d, QnA
+    for make, message in (
+            (lambda: NeighborhoodAttention2d(32, 0), "NeighborhoodAttention2d: num_heads must be "
+                                                     ">= 1, got 0"),
+            (lambda: NeighborhoodAttention2d(0, 4), "dim must be >= 1, got 0"),
+            (lambda: QnA(32, num_heads=-4), "QnA: num_heads must be >= 1, got -4"),
+            (lambda: QnA(32, num_queries=0), "QnA: num_queries must be >= 1, got 0"),
+            (lambda: LocalSelfAttention(32, 0), "LocalSelfAttention: num_heads must be >= 1"),
+            (lambda: NeighborhoodAttention2d(32, 4, True), "kernel_size must be an odd int >= 1, "
+                                                           "got True")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make()
+    with pytest.raises(TypeError, match=re.escape("QnA: dim must be an int, got float 32.0")):
+        QnA(32.0)
+    for layer in (NeighborhoodAttention2d(32, 4), QnA(32), LocalSelfAttention(32, 4)):
+        name = type(layer).__name__
+        for x in (torch.randn(1, 32, 8, 8), torch.randn(1, 8, 8, 16), torch.randn(1, 64, 32)):
+            with pytest.raises(ValueError, match=re.escape(
+                    f"{name}: the input must be a channels-last map [B, H, W, 32] (NHWC), got "
+                    f"shape {tuple(x.shape)}")):
+                layer(x)
+        assert layer(torch.randn(1, 8, 8, 32)).shape[-1] == 32

@@ -18,6 +18,7 @@ import math
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -437,10 +438,16 @@ def test_shape_and_argument_errors():
     with pytest.raises(ValueError, match="kernel_size.*dilation"):
         na1d(q[:, 0], k[:, 0], v[:, 0], kernel_size=3, dilation=4)
     for bad in (3.0, "3", (3, 3, 3), (3,), True, None, (3, 3.0)):
-        with pytest.raises(TypeError, match="kernel_size"):
+        with pytest.raises(TypeError, match="^na2d: kernel_size"):
             na2d(q, k, v, kernel_size=bad)
-    with pytest.raises(TypeError, match="dilation"):
+    with pytest.raises(TypeError, match="^na2d: dilation"):
         na2d(q, k, v, kernel_size=3, dilation=1.5)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="^na2d: scale must be finite"):
+            na2d(q, k, v, kernel_size=3, scale=bad)
+    # NumPy's integers are ints
+    torch.testing.assert_close(na2d(q, k, v, kernel_size=np.int64(3), dilation=(np.int32(1), 2)),
+                               na2d(q, k, v, kernel_size=3, dilation=(1, 2)), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("n", [1, 2])

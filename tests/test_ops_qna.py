@@ -241,6 +241,10 @@ def test_argument_errors():
         (dict(window_weights=ws.int()), TypeError, 'window_weights must be a floating-point'),
         (dict(sum_queries=1), TypeError, 'sum_queries must be a bool'),
         (dict(backend='tpu'), ValueError, "unknown backend 'tpu'"),
+        (dict(logits=logits[:, :0], v=v[:, :0]), ValueError, 'only the batch may be empty'),
+        (dict(logits=logits[..., :0, :], rpb=None, window_weights=None), ValueError,
+         'only the batch may be empty'),
+        (dict(v=v[..., :0]), ValueError, 'only the batch may be empty'),
     ]
     qna2d(logits, v, kernel_size=3, rpb=rpb, window_weights=ws)  # warm: the checks still run
     for change, error, message in cases:

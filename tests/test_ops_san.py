@@ -258,6 +258,9 @@ def test_errors():
         san_subtraction2(x, x[:, :2], kernel_size=3)
     with pytest.raises(ValueError, match="unknown backend"):
         san_subtraction(x, kernel_size=3, backend="bogus")
+    for empty in (x[:, :0], x[:, :, :0]):  # only the batch may be
+        with pytest.raises(ValueError, match=r"only the batch of x may be empty"):
+            san_subtraction(empty, kernel_size=3, padding_mode="zeros")
 
 
 def test_reflection_needs_map_larger_than_padding():

@@ -486,6 +486,10 @@ def test_convert_cli_and_load_through_timm(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match=f'file {str(out)!r} does not exist'):
         timm.create_model('qna_vit_tiny', pretrained=True,
                           pretrained_cfg_overlay=dict(file=str(out)))  # not converted yet
+    with pytest.raises(IsADirectoryError, match=f'file {str(tmp_path)!r} is a folder; give '
+                                                 'its checkpoint file, or load '):
+        timm.create_model('qna_vit_tiny', pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(tmp_path)))
     assert cli.main(['convert', 'qna_vit_tiny', str(ckpt), str(out)]) == 0
     assert 'wrote' in capsys.readouterr().out
     model = timm.create_model('qna_vit_tiny', pretrained=True,

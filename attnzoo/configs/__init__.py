@@ -23,9 +23,16 @@ def recipe_names() -> List[str]:
     return sorted(p.stem for p in _folder().glob("*.yaml"))
 
 
+# models whose paper's recipe starts from ImageNet-22k pre-training that was never published
+_UNPUBLISHED = ("dinat_large", "dinat_large_384", "dinat_large_11x11_384")
+
+
 def recipe_path(name: str) -> Path:
     """The YAML of recipe ``name``; ``ValueError`` naming close ones otherwise."""
     path = _folder() / f"{name}.yaml"
+    if not path.is_file() and name in _UNPUBLISHED:
+        raise ValueError(f"no training recipe for {name}: its ImageNet-22k pre-training recipe "
+                         "is unpublished (docs/training.md)")
     if not path.is_file():
         close = difflib.get_close_matches(name, recipe_names(), n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else "`attnzoo configs` lists them"

@@ -29,6 +29,7 @@ from timm.models import register_notrace_function
 from .. import backends
 from ..ops import na2d, na2d_qk, na2d_qkv, na_window_positions
 from ..ops.neighborhood import na_export_rows
+from ._checks import check_map, check_sizes
 from .attention_map import AttentionMap
 from .quest import check_attn_norm, l2_normalize
 
@@ -116,11 +117,13 @@ class NeighborhoodAttention2d(nn.Module):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
         check_attn_norm(attn_norm)
+        check_sizes(type(self).__name__, dim=dim, num_heads=num_heads)
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-        if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or \
+                kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size!r}")
-        if not isinstance(dilation, int) or dilation < 1:
+        if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
             raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
         if attn_drop:
             raise ValueError(
@@ -223,6 +226,7 @@ class NeighborhoodAttention2d(nn.Module):
         if not torch.jit.is_scripting():
             if backends.exporting():
                 return self.export_forward(x)
+        x = check_map(x, self.dim, "NeighborhoodAttention2d")
         H, W = x.shape[1], x.shape[2]
         x = pad_to_window(x, self.window)
         if self.attn_norm == "quest":
@@ -236,3 +240,8 @@ class NeighborhoodAttention2d(nn.Module):
         x = self.proj(x)
         x = self.proj_drop(x)
         return x
+
+
+# leaves for torch.fx's own tracer too (timm's honours register_notrace_function only)
+for _leaf in ('pad_to_window', 'na2d_dispatch', 'na2d_qkv_dispatch', 'check_map'):
+    torch.fx.wrap(_leaf)

@@ -24,6 +24,7 @@ from timm.models import register_notrace_function
 from .. import backends
 from ..ops import qna2d, qna2d_weights, qna_window_positions
 from ..ops.qna import qna_export_rows
+from ._checks import check_map, check_sizes
 from .attention_map import AttentionMap
 from .quest import check_attn_norm, l2_normalize
 
@@ -79,9 +80,13 @@ class _QueriesAndAttend(nn.Module):
                  backend: Optional[str], device, dtype):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
+        self.layer_name = type(self).__name__  # as errors name it (QnA or QnAUpsample)
+        check_sizes(self.layer_name, dim=dim, out_dim=out_dim, num_heads=num_heads,
+                    num_queries=num_queries)
         if out_dim % num_heads:
             raise ValueError(f"out_dim ({out_dim}) must be divisible by num_heads ({num_heads})")
-        if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or \
+                kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size!r}")
         if backend is not None:
             backends.get_backend(backend)  # unknown names raise ValueError now, not at forward
@@ -119,6 +124,7 @@ class _QueriesAndAttend(nn.Module):
             nn.init.zeros_(self.rpb)
 
     def logits_and_values(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        x = check_map(x, self.dim, self.layer_name)
         logits = qna_logits(x, self.queries, self.k.weight, self.num_heads)
         v = self.v(x).reshape(x.shape[0], x.shape[1], x.shape[2], self.num_heads, self.head_dim)
         return logits, v
@@ -552,9 +558,10 @@ class LocalSelfAttention(nn.Module):
     ):
         dd = {"device": device, "dtype": dtype}
         super().__init__()
+        check_sizes("LocalSelfAttention", dim=dim, num_heads=num_heads)
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-        if not isinstance(window_size, int) or window_size < 1:
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size must be an int >= 1, got {window_size!r}")
         self.dim = dim
         self.num_heads = num_heads
@@ -592,8 +599,14 @@ class LocalSelfAttention(nn.Module):
         return backends.export_dropout(self.proj_drop, self.proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = check_map(x, self.dim, "LocalSelfAttention")
         x = window_attention(self.qkv(x), self.relative_position_bias_table, self.num_heads,
                              self.window_size, self.attn_norm)
         x = self.proj(x)
         x = self.proj_drop(x)
         return x
+
+
+# leaves for torch.fx's own tracer too (timm's honours register_notrace_function only)
+for _leaf in ('qna2d_dispatch', 'window_attention', 'check_map'):
+    torch.fx.wrap(_leaf)

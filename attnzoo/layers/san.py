@@ -255,3 +255,8 @@ class SAM(nn.Module):
         x3 = self.conv3(x)
         # autocast runs the softmax in float32; the aggregation takes one dtype
         return self.op("aggregation", x3, w.to(x3.dtype))
+
+
+# leaves for torch.fx's own tracer too (timm's honours register_notrace_function only)
+for _leaf in ('sa_op', 'position_grid'):
+    torch.fx.wrap(_leaf)

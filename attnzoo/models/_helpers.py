@@ -3,6 +3,7 @@ policy (the project's Hub namespace, a clear error where weights cannot be had),
 unwrapping and checking, input checks, drop-path schedules."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -38,8 +39,8 @@ def checkpoint_kind(path) -> Optional[str]:
 def _resolved_cfg(variant: str, kwargs: Dict[str, Any]) -> PretrainedCfg:
     """The pretrained cfg ``build_model_with_cfg`` will use, overlays included."""
     cfg = kwargs.get("pretrained_cfg")
-    if isinstance(cfg, str):
-        cfg = get_pretrained_cfg(cfg)
+    if isinstance(cfg, str):  # a tag (timm's create_model splits "name.tag"): an unknown one
+        cfg = get_pretrained_cfg(f"{variant}.{cfg}")  # raises timm's "Invalid pretrained tag"
     elif isinstance(cfg, dict):
         cfg = PretrainedCfg(**cfg)
     if cfg is None:
@@ -107,13 +108,18 @@ def _check_hub_weights(tag: str, variant: str, cfg: PretrainedCfg) -> None:
                   f"{why}. " + _local_copy_advice(tag, variant, where + " where it is reachable"))
 
 
-def _check_local_file(tag: str, variant: str, path) -> None:
-    """A ``file=`` overlay that timm cannot load (missing, or not a torch / safetensors file:
-    an unconverted official checkpoint) raises here, naming the file and the fix, instead of
-    an error from deep inside ``torch.load``. (timm's ``local-dir:`` passes a folder: its own.)"""
+def _check_local_file(tag: str, variant: str, path, source: Optional[str] = None) -> None:
+    """A ``file=`` overlay that timm cannot load (missing, a folder, or not a torch /
+    safetensors file: an unconverted official checkpoint) raises here, naming the file and the
+    fix, instead of an error from deep inside ``torch.load``. (timm's ``local-dir:`` passes its
+    folder as the file, with ``source='local-dir'``: its own.)"""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{tag}: pretrained_cfg_overlay file {path!r} does not exist")
+    if os.path.isdir(path) and source != "local-dir":
+        raise IsADirectoryError(
+            f"{tag}: pretrained_cfg_overlay file {path!r} is a folder; give its checkpoint "
+            f"file, or load a published model's folder as timm.create_model('local-dir:{path}')")
     if os.path.isfile(path) and not path.endswith(".safetensors") \
             and checkpoint_kind(path) is None:
         raise ValueError(
@@ -121,6 +127,40 @@ def _check_local_file(tag: str, variant: str, path) -> None:
             f"checkpoint (an official checkpoint in another format?); convert it first with "
             f"`attnzoo convert {variant} {path} {variant}.safetensors` and pass "
             f"file='{variant}.safetensors'")
+
+
+def _classifier_rows(path: str, name: str) -> Optional[int]:
+    """Rows of tensor ``name`` in checkpoint ``path`` (a plain state dict, or ``train.py``'s
+    with its ``state_dict``), read without its data; None where it has none or cannot be read
+    here (timm's own load then says why)."""
+    try:
+        if path.endswith(".safetensors") or checkpoint_kind(path) == "safetensors":
+            from safetensors import safe_open
+            with safe_open(path, "pt") as f:
+                return f.get_slice(name).get_shape()[0] if name in f.keys() else None
+        torch.serialization.add_safe_globals([argparse.Namespace])  # train.py's args
+        checkpoint = torch.load(path, map_location="meta", weights_only=True)
+    except Exception:  # noqa: BLE001 - not ours to report
+        return None
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
+        checkpoint = checkpoint["state_dict"]
+    weight = checkpoint.get(name) if isinstance(checkpoint, dict) else None
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() else None
+
+
+def _keep_a_trained_head(kwargs: Dict[str, Any], cfg: PretrainedCfg) -> None:
+    """timm drops a checkpoint's classifier when ``num_classes`` differs from the pretrained
+    cfg's (a tag's 1000 ImageNet classes): right for ImageNet weights fine-tuned to new
+    classes, but a ``file=`` checkpoint trained on those very classes (a first training phase)
+    would get a random head, silently. Where the file's classifier has ``num_classes`` rows,
+    the cfg is told so, and timm keeps it."""
+    classes = kwargs.get("num_classes")
+    if classes is None or classes == cfg.num_classes or not cfg.classifier:
+        return
+    classifier = cfg.classifier if isinstance(cfg.classifier, str) else cfg.classifier[0]
+    if _classifier_rows(os.fspath(cfg.file), f"{classifier}.weight") == classes:
+        kwargs["pretrained_cfg_overlay"] = {**(kwargs.get("pretrained_cfg_overlay") or {}),
+                                            "num_classes": classes}
 
 
 def build_model(model_cls: type, variant: str, pretrained: bool, *,
@@ -150,7 +190,8 @@ def build_model(model_cls: type, variant: str, pretrained: bool, *,
                 f"{tag}: {why}; pretrained=True would give a randomly initialised model. "
                 + _local_copy_advice(tag, variant, f"the official checkpoint{origin}"))
         if cfg.file:
-            _check_local_file(tag, variant, cfg.file)
+            _check_local_file(tag, variant, cfg.file, cfg.source)
+            _keep_a_trained_head(kwargs, cfg)
         _check_hub_weights(tag, variant, cfg)
     return build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
                                 feature_cfg=feature_cfg, **kwargs)

@@ -26,6 +26,10 @@ from .. import backends
 from ..ops.neighborhood import static_size
 from ._helpers import build_model, check_image_input, check_indices
 
+# a leaf for torch.fx's own tracer too (timm's honours register_notrace_function only): the
+# check reads the input's sizes
+torch.fx.wrap("check_image_input")
+
 __all__ = ["StagedModel", "Stage", "build_staged", "mlp_rows", "staged_cfg"]
 
 

@@ -586,3 +586,8 @@ def qna_vit_base(pretrained=False, **kwargs) -> QnAViT:
     """QnA-ViT-Base (55.7M params, 9.5 GMACs @ 224)."""
     model_args = _BASE
     return _create_qna_vit('qna_vit_base', pretrained, **dict(model_args, **kwargs))
+
+
+# leaves for torch.fx's own tracer too (timm's honours register_notrace_function only)
+for _leaf in ('pad_same',):
+    torch.fx.wrap(_leaf)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -38,15 +39,26 @@ IntOrTuple = Union[int, Sequence[int]]
 # argument checking
 # --------------------------------------------------------------------------------------------
 
-def _as_tuple(value: IntOrTuple, n: int, name: str) -> Tuple[int, ...]:
+def _int(value) -> Optional[int]:
+    """``value`` as an int where it is one (a NumPy integer too), not a bool; else None."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
-    if isinstance(value, int):
-        return (value,) * n
-    if isinstance(value, (tuple, list)) and len(value) == n and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return tuple(value)
-    raise TypeError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _as_tuple(value: IntOrTuple, n: int, name: str, fn: str = "") -> Tuple[int, ...]:
+    one = _int(value)
+    if one is not None:
+        return (one,) * n
+    if isinstance(value, (tuple, list)) and len(value) == n:
+        each = [_int(v) for v in value]
+        if None not in each:
+            return tuple(each)
+    raise TypeError(f"{fn + ': ' if fn else ''}{name} must be an int or a tuple of {n} ints, "
+                    f"got {value!r}")
 
 
 def _check_tensors(fn: str, n: int, last: str, **tensors: torch.Tensor) -> None:
@@ -70,8 +82,8 @@ def _check_tensors(fn: str, n: int, last: str, **tensors: torch.Tensor) -> None:
 
 def _check_window(fn: str, n: int, kernel_size, dilation, spatial: Tuple[int, ...]):
     """Returns (kernel_size, dilation) as tuples: odd kernels, dilations >= 1, windows that fit."""
-    ks = _as_tuple(kernel_size, n, "kernel_size")
-    dil = _as_tuple(dilation, n, "dilation")
+    ks = _as_tuple(kernel_size, n, "kernel_size", fn)
+    dil = _as_tuple(dilation, n, "dilation", fn)
     for K, d, L in zip(ks, dil, spatial):
         if K < 1 or K % 2 == 0:
             raise ValueError(f"{fn}: kernel_size must be odd and >= 1, got {kernel_size!r}")
@@ -115,6 +127,8 @@ def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, fn: str):
     _check_rpb(fn, rpb, q.shape[-2], ks, q.device)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"{fn}: scale must be a float or None, got {scale!r}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"{fn}: scale must be finite (None: head_dim ** -0.5), got {scale!r}")
     return ks, dil
 
 

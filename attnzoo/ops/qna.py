@@ -585,6 +585,9 @@ def _check_call(logits, v, kernel_size, stride, rpb, window_weights, sum_queries
         raise ValueError(f"qna2d: logits [B, H, W, L, heads] and v [B, H, W, heads, head_dim] "
                          f"must agree on B, H, W and heads; got logits {tuple(logits.shape)}, "
                          f"v {tuple(v.shape)}")
+    if 0 in logits.shape[1:] or v.shape[-1] == 0:
+        raise ValueError(f"qna2d: only the batch may be empty (H, W, L, heads and head_dim "
+                         f">= 1); got logits {tuple(logits.shape)}, v {tuple(v.shape)}")
     if logits.dtype != v.dtype or logits.device != v.device:
         raise ValueError(f"qna2d: logits and v must share dtype and device; got "
                          f"{logits.dtype}/{v.dtype} on {logits.device}/{v.device}")
