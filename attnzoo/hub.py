@@ -677,10 +677,19 @@ def model_card(model: torch.nn.Module, facts: Mapping[str, Any], *, repo_id: str
     load = f"hf-hub:{repo_id}" if repo_id else name
     hf_ready = bool(tag and cfg.get("hf_hub_id"))  # the tag's weights are on the Hub now
     own_repo = hf_ready and cfg["hf_hub_id"] == hub_repo(name)  # ours, in timm's layout
+    if repo_id or hf_ready:
+        create = f"model = timm.create_model('{load}', pretrained=True).eval()\n"
+    elif tag and cfg.get("origin_url"):  # official weights, not on the Hub: converted first
+        create = ("# its weights are not on the Hub yet: convert the official checkpoint first,\n"
+                  f"# attnzoo convert {arch} CHECKPOINT {arch}.safetensors\n"
+                  f"model = timm.create_model('{name}', pretrained=True, pretrained_cfg_overlay="
+                  f"dict(file='{arch}.safetensors')).eval()\n")
+    else:  # no weights anywhere: the snippet must not read as a classifier
+        create = (f"model = timm.create_model('{load}', pretrained=False).eval()  # no published "
+                  "weights: random until trained\n")
     usage = ("With timm:\n\n```python\nimport timm\nimport torch\n\n"
              "import attnzoo  # registers attnzoo's models with timm: before create_model\n\n"
-             f"model = timm.create_model('{load}', pretrained={bool(repo_id or hf_ready)})"
-             ".eval()\n"
+             + create +
              "data_config = timm.data.resolve_model_data_config(model)\n"
              "transform = timm.data.create_transform(**data_config, is_training=False)\n"
              "with torch.no_grad():\n"

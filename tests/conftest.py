@@ -181,10 +181,17 @@ def pytest_configure(config):
         config.pluginmanager.register(_timm_suite_plugin, "attnzoo-timm-suite")
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
+# Tests of half a minute or more on CI (its --durations), by node id prefix: run first, so
+# that pytest-xdist's workers start them early instead of one of them finishing alone with one.
+LONG_FIRST = ("tests/test_gpu_verify.py::", "tests/test_train_launch.py::",
+              "tests/test_kernels_neighborhood.py::test_kernels_compile_for_sm80_and_sm90")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers (it keeps the order)
 def pytest_collection_modifyitems(items):
     """timm's suite cases on ``families.FLOOR_MODELS`` are in the ``floor`` tier (every suite
-    case is ``timm_suite``: tests/test_timm_suite.py)."""
+    case is ``timm_suite``: tests/test_timm_suite.py); the :data:`LONG_FIRST` tests first."""
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))  # a stable sort
     for item in items:
         if _timm_suite_plugin.is_suite_item(item):
             model = getattr(getattr(item, "callspec", None), "params", {}).get("model_name")

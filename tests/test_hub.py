@@ -612,10 +612,15 @@ def test_where_each_tags_weights_are_is_one_record():
                           "python scripts/make_model_cards.py")
     for tag in tags:
         assert f"`attnzoo publish {tag} CHECKPOINT --repo-id {hub.hub_repo(tag)} " in table
-    # the cards of unpublished tags do not promise pretrained=True
+    # the cards of unpublished tags load the converted official file, never random weights
+    # that would classify; a model without any weights says it is random
     cards = (ROOT / "MODEL_CARDS.md").read_text()
-    assert "timm.create_model('san10_pairwise.in1k', pretrained=False)" in cards
+    assert ("# attnzoo convert san10_pairwise CHECKPOINT san10_pairwise.safetensors\n"
+            "model = timm.create_model('san10_pairwise.in1k', pretrained=True, "
+            "pretrained_cfg_overlay=dict(file='san10_pairwise.safetensors')).eval()") in cards
     assert "timm.create_model('nat_mini.in1k', pretrained=True)" in cards
+    assert "pretrained=False).eval()  # no published weights: random until trained" in cards
+    assert "pretrained=False).eval()\n" not in cards
 
 
 def test_cards_say_which_backends_run_each_op_from_the_registry():

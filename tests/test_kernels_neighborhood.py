@@ -467,7 +467,7 @@ def test_auto_never_picks_a_backend_that_cannot_run(natten_state, triton_state, 
             op = f"na{call.ndim}d"
             choice = backends.resolve(op, call)
             assert backends.available_backends(op, call)[choice] is None, (call, choice)
-            assert f"auto backend for {op}{call} -> {choice}" in caplog.text  # says what it picked
+            assert f"auto backend for {op} {call} -> {choice}" in caplog.text  # what it picked
             if call.device == "cpu":
                 assert choice == "torch", call  # never the interpreter, never NATTEN's CPU path
             elif backends.available_backends(op, call)["cuda"] is None \
