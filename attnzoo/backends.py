@@ -484,8 +484,9 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 def tensors_key(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
     """Each tensor's ``(shape, strides, dtype, device)`` (``None`` for ``None``): what an op's
-    argument checks decide a tensor by (the strides: whether the kernels' offsets reach). ``None`` where one is not a plain tensor: no key, the checks run
-    (and say what is wrong); a traced tensor's sizes may be symbolic."""
+    argument checks decide a tensor by (the strides: how far the kernels' offsets reach).
+    ``None`` where one is not a plain tensor: no key, the checks run (and say what is wrong); a
+    traced tensor's sizes may be symbolic."""
     key = []
     for t in tensors:
         if t is None:
