@@ -69,7 +69,7 @@ def _check_map(fn: str, name: str, t: object) -> torch.Tensor:
                          f"{tuple(t.shape)}")
     if not t.is_floating_point():
         raise TypeError(f"{fn}: {name} must be a floating-point tensor, got {t.dtype}")
-    if 0 in t.shape[1:]:
+    if t.numel() == 0 and 0 in t.shape[1:]:  # (numel first: a cheaper test, on every call)
         raise ValueError(f"{fn}: only the batch of {name} may be empty (C, H, W >= 1), got shape "
                          f"{tuple(t.shape)}")
     return t
