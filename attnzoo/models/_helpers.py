@@ -16,6 +16,7 @@ from timm.models._hub import HF_WEIGHTS_NAME, _get_safe_alternatives, hf_split
 from timm.models._pretrained import PretrainedCfg
 from timm.models._registry import get_pretrained_cfg
 
+from ..layers._checks import check_sizes
 from ._weights import HUB_ORG, hub_repo, pending_repo
 
 __all__ = ["HUB_ORG", "hub_repo", "checkpoint_kind", "build_model", "unwrap_checkpoint",
@@ -203,14 +204,8 @@ _RATES = ("drop_rate", "drop_path_rate", "attn_drop_rate", "proj_drop_rate", "po
 
 
 def _check_build_args(variant: str, kwargs: Dict[str, Any]) -> None:
-    in_chans = kwargs.get("in_chans")
-    if in_chans is not None:
-        if isinstance(in_chans, bool) or not isinstance(in_chans, int):
-            raise TypeError(f"{variant}: in_chans must be an int, got {type(in_chans).__name__} "
-                            f"{in_chans!r}")
-        if in_chans < 1:
-            raise ValueError(f"{variant}: in_chans must be >= 1 (the input's channels), got "
-                             f"{in_chans}")
+    if kwargs.get("in_chans") is not None:
+        check_sizes(variant, in_chans=kwargs["in_chans"])
     for name in _RATES:
         rate = kwargs.get(name)
         if rate is None:
