@@ -1,7 +1,7 @@
 """Argument and input checks the layers (and the models' builder) share: a mistake named where
 it is made, instead of a division by zero in a constructor or a matmul's shape error at the
-first forward. (No
-``from __future__ import annotations``: TorchScript reads check_map's annotations.)"""
+first forward. (No ``from __future__ import annotations``: TorchScript reads check_map's
+annotations.)"""
 import torch
 from timm.models import register_notrace_function
 
