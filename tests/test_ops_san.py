@@ -263,6 +263,42 @@ def test_errors():
             san_subtraction(empty, kernel_size=3, padding_mode="zeros")
 
 
+def test_a_warm_call_skips_the_checks_that_its_metadata_passed(monkeypatch):
+    """The checks run once per call metadata (the op, its options, each tensor's shape,
+    strides, dtype and device); a call differing in any of them, or a bool where the int it
+    equals passed, is checked again and refused. A gradient's need is decided per call."""
+    from attnzoo.ops import san as san_module
+    checks = []
+    footprint = san_module._footprint
+    monkeypatch.setattr(san_module, "_footprint", lambda *a: checks.append(a[0]) or footprint(*a))
+    monkeypatch.setattr(backends, "_CHECKED", {})
+    x, w = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 9, 64)
+    for _ in range(3):
+        san_aggregation(x, w, kernel_size=3)
+        san_subtraction(x, kernel_size=(3, 3))
+        san_subtraction2(x, x, kernel_size=3, stride=2)
+    assert checks == ["san_aggregation", "san_subtraction", "san_subtraction2"]
+    with pytest.raises(TypeError, match="stride"):  # True == 1: the same key but for types
+        san_aggregation(x, w, kernel_size=3, stride=True)
+    with pytest.raises(TypeError, match="dilation"):
+        san_subtraction(x, kernel_size=(3, 3), dilation=(1, True))
+    with pytest.raises(ValueError, match="padding_mode"):
+        san_subtraction2(x, x, kernel_size=3, stride=2, padding_mode="Reflect")
+    with pytest.raises(ValueError, match=r"\[1, Cw, 9, 16\]"):  # w's shape, at stride 2
+        san_aggregation(x, w, kernel_size=3, stride=2)
+    with pytest.raises(ValueError, match="dtype"):
+        san_aggregation(x, w.double(), kernel_size=3)
+    with pytest.raises(ValueError, match="at least 4x4"):  # x's strides and shape as a view
+        san_subtraction(x[:, :, :3], kernel_size=7)
+    # the same metadata with and without gradients: one check, the backward still runs
+    before = len(checks)
+    xg = x.clone().requires_grad_()
+    out = san_aggregation(xg, w, kernel_size=3)
+    out.sum().backward()
+    assert len(checks) == before and xg.grad is not None
+    assert torch.equal(out, san_aggregation(x, w, kernel_size=3))
+
+
 def test_reflection_needs_map_larger_than_padding():
     """One reflection covers a pad of at most H - 1 (the official op read out of bounds);
     zero padding has no such limit."""

@@ -558,15 +558,37 @@ for _name, _impl, _macs in (("san_aggregation", aggregation_reference, _aggregat
 # public ops
 # --------------------------------------------------------------------------------------------
 
-def _call(x: torch.Tensor, fp: Footprint, *tensors: torch.Tensor, taps: int = 1) -> SANCall:
-    """``taps``: an output sample's per channel and output position (the subtractions' one
-    per footprint tap)."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x,) + tensors)
+def _calls(x: torch.Tensor, fp: Footprint, *tensors: torch.Tensor,
+           taps: int = 1) -> Tuple[SANCall, SANCall]:
+    """The call's keys without and with gradients. ``taps``: an output sample's per channel and
+    output position (the subtractions' one per footprint tap)."""
     out = 0 if x.numel() * taps <= kernels.INT32_MAX else (  # at most x's size times taps
         x.shape[1] * taps * math.prod(_out_size(fp, *x.shape[-2:])))
     wide = kernels.wide_offsets(x, *tensors, elements=out)
-    return SANCall(str(x.device), x.dtype, fp.kernel_size, fp.dilation, fp.stride,
-                   fp.padding_mode, grad, wide)
+    return tuple(SANCall(str(x.device), x.dtype, fp.kernel_size, fp.dilation, fp.stride,
+                         fp.padding_mode, grad, wide) for grad in (False, True))
+
+
+def _exact(value) -> bool:
+    """An int, or a tuple of ints, by exact type (a bool equals an int; a list is no key)."""
+    return type(value) is int or type(value) is tuple and all(type(v) is int for v in value)
+
+
+def _checked(fn: str, check, options: tuple, *tensors: torch.Tensor):
+    """``check()`` once per call metadata (:func:`attnzoo.backends.checked_once`): the op's
+    name, its ``options`` (kernel_size, dilation, stride, padding_mode) and its tensors'."""
+    key = backends.tensors_key(*tensors)
+    if key is not None and all(map(_exact, options[:3])) and type(options[3]) is str:
+        key = (fn, *options, key)
+    else:
+        key = None
+    return backends.checked_once(key, check)
+
+
+def _dispatch(fn: str, checked, backend: Optional[str], *tensors: torch.Tensor) -> torch.Tensor:
+    fp, calls, empty = checked
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return backends.dispatch(fn, calls[grad], backend, *tensors, fp, empty=empty)
 
 
 def san_subtraction(x: torch.Tensor, *, kernel_size: IntOrPair, dilation: IntOrPair = 1,
@@ -587,8 +609,13 @@ def san_subtraction(x: torch.Tensor, *, kernel_size: IntOrPair, dilation: IntOrP
         ``[N, C, kh*kw, Ho*Wo]``, ``Ho, Wo = ceil(H / stride), ceil(W / stride)``.
     """
     fn = "san_subtraction"
-    fp = _footprint(fn, _check_map(fn, "x", x), kernel_size, dilation, stride, padding_mode)
-    return backends.dispatch(fn, _call(x, fp, taps=fp.taps), backend, x, fp)
+
+    def check():
+        fp = _footprint(fn, _check_map(fn, "x", x), kernel_size, dilation, stride, padding_mode)
+        return fp, _calls(x, fp, taps=fp.taps), x.numel() == 0
+
+    options = (kernel_size, dilation, stride, padding_mode)
+    return _dispatch(fn, _checked(fn, check, options, x), backend, x)
 
 
 def san_subtraction2(x1: torch.Tensor, x2: torch.Tensor, *, kernel_size: IntOrPair,
@@ -598,14 +625,19 @@ def san_subtraction2(x1: torch.Tensor, x2: torch.Tensor, *, kernel_size: IntOrPa
     """``out[n, c, kk, i] = x1[n, c, centre(i)] - x2[n, c, tap_kk(i)]``; ``x1`` and ``x2`` are
     ``[N, C, H, W]`` of one shape. Arguments and result as :func:`san_subtraction`."""
     fn = "san_subtraction2"
-    _check_map(fn, "x1", x1)
-    _check_map(fn, "x2", x2)
-    if x1.shape != x2.shape:
-        raise ValueError(f"{fn}: x1 and x2 must have the same shape, got {tuple(x1.shape)} and "
-                         f"{tuple(x2.shape)}")
-    _same(fn, x1, x2, "x1 and x2")
-    fp = _footprint(fn, x1, kernel_size, dilation, stride, padding_mode)
-    return backends.dispatch(fn, _call(x1, fp, x2, taps=fp.taps), backend, x1, x2, fp)
+
+    def check():
+        _check_map(fn, "x1", x1)
+        _check_map(fn, "x2", x2)
+        if x1.shape != x2.shape:
+            raise ValueError(f"{fn}: x1 and x2 must have the same shape, got "
+                             f"{tuple(x1.shape)} and {tuple(x2.shape)}")
+        _same(fn, x1, x2, "x1 and x2")
+        fp = _footprint(fn, x1, kernel_size, dilation, stride, padding_mode)
+        return fp, _calls(x1, fp, x2, taps=fp.taps), x1.numel() == 0
+
+    options = (kernel_size, dilation, stride, padding_mode)
+    return _dispatch(fn, _checked(fn, check, options, x1, x2), backend, x1, x2)
 
 
 def san_aggregation(x: torch.Tensor, weight: torch.Tensor, *, kernel_size: IntOrPair,
@@ -624,18 +656,23 @@ def san_aggregation(x: torch.Tensor, weight: torch.Tensor, *, kernel_size: IntOr
         ``[N, C, Ho, Wo]``.
     """
     fn = "san_aggregation"
-    _check_map(fn, "x", x)
-    _check_map(fn, "weight", weight)
-    _same(fn, x, weight, "x and weight")
-    fp = _footprint(fn, x, kernel_size, dilation, stride, padding_mode)
-    N, C = x.shape[:2]
-    Ho, Wo = _out_size(fp, *x.shape[-2:])
-    Cw = weight.shape[1]
-    if weight.shape[0] != N or weight.shape[2:] != (fp.taps, Ho * Wo) or Cw < 1 or C % Cw:
-        raise ValueError(
-            f"{fn}: weight must be [N, Cw, kh*kw, Ho*Wo] = [{N}, Cw, {fp.taps}, {Ho * Wo}] with "
-            f"C = {C} a multiple of Cw; got {tuple(weight.shape)}")
-    return backends.dispatch(fn, _call(x, fp, weight), backend, x, weight, fp)
+
+    def check():
+        _check_map(fn, "x", x)
+        _check_map(fn, "weight", weight)
+        _same(fn, x, weight, "x and weight")
+        fp = _footprint(fn, x, kernel_size, dilation, stride, padding_mode)
+        N, C = x.shape[:2]
+        Ho, Wo = _out_size(fp, *x.shape[-2:])
+        Cw = weight.shape[1]
+        if weight.shape[0] != N or weight.shape[2:] != (fp.taps, Ho * Wo) or Cw < 1 or C % Cw:
+            raise ValueError(
+                f"{fn}: weight must be [N, Cw, kh*kw, Ho*Wo] = [{N}, Cw, {fp.taps}, {Ho * Wo}] "
+                f"with C = {C} a multiple of Cw; got {tuple(weight.shape)}")
+        return fp, _calls(x, fp, weight), x.numel() == 0 or weight.numel() == 0
+
+    options = (kernel_size, dilation, stride, padding_mode)
+    return _dispatch(fn, _checked(fn, check, options, x, weight), backend, x, weight)
 
 
 def san_neighbours(x: torch.Tensor, *, kernel_size: IntOrPair, dilation: IntOrPair = 1,
