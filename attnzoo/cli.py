@@ -232,10 +232,11 @@ def _cmd_bench(args, parser) -> int:
     model = model.to(device=device, dtype=dtype)
     model.train(args.backward)
     size = args.img_size or model.pretrained_cfg["input_size"][-1]
-    x = torch.randn(args.batch_size, 3, size, size, device=device, dtype=dtype)
+    channels = hub.input_shape(model)[0]  # the stem's
+    x = torch.randn(args.batch_size, channels, size, size, device=device, dtype=dtype)
     try:  # on the torch reference: each row below runs its own backend
         with backends.use_backend("torch"):
-            macs = count_macs(model, (1, 3, size, size))
+            macs = count_macs(model, (1, channels, size, size))
             ops = _ops_used(model, x)
     except (ValueError, AssertionError, RuntimeError) as e:
         # the model rejects this input: below its minimum, or not the size a fixed-size model
@@ -286,10 +287,14 @@ def _cmd_convert(args, parser) -> int:
     except (ValueError, OSError, ImportError) as e:
         message = _one_line(e)
         parser.error(message if args.checkpoint in message else f"{args.checkpoint}: {message}")
-    hub.save_converted(state_dict, args.out)
+    try:
+        hub.save_converted(state_dict, args.out)
+    except OSError as e:
+        parser.error(_one_line(e))
     import timm
-    cfg = timm.create_model(args.model, device="meta").pretrained_cfg
-    sizes = hub.head_and_stem_args(cfg, state_dict)
+    meta = timm.create_model(args.model, device="meta")
+    sizes = {**hub.head_and_stem_args(meta.pretrained_cfg, state_dict),
+             **hub.grid_args(meta, state_dict)}
     # timm keeps a checkpoint's classifier only where the pretrained cfg has its class count
     overlay = f", num_classes={sizes['num_classes']}" if "num_classes" in sizes else ""
     kwargs = "".join(f", {k}={v}" for k, v in sizes.items())
@@ -306,6 +311,7 @@ def _cmd_info(args, parser) -> int:
     arch = args.model.split(".", 1)[0]
     if arch not in list_models():
         parser.error(f"{arch} is not an attnzoo model; `attnzoo list` names them")
+    device = _check_device(parser, args.device)  # before any line is printed
     meta = timm.create_model(args.model, device="meta")
     cfg = meta.pretrained_cfg
     facts = hub.measure_facts(meta)
@@ -326,7 +332,6 @@ def _cmd_info(args, parser) -> int:
     if not facts["ops"]:
         print("backends: none needed (no attnzoo op)")
         return 0
-    device = _check_device(parser, args.device)
     model = timm.create_model(arch).eval().to(device)
     size, calls = hub.op_calls(model)
     print(f"attnzoo ops of a {size} forward: " + ", ".join(
@@ -441,8 +446,8 @@ def _cmd_export(args, parser) -> int:
         parser.error(f"--dynamic-size: {args.model} cannot export with a dynamic size: {refusal}")
     size = args.img_size or cfg["input_size"][-1]
     if refusal and size != cfg["input_size"][-1]:
-        parser.error(f"--img-size {size}: {args.model} {refusal}")
-    x = torch.randn(2, cfg["input_size"][0], size, size)
+        parser.error(f"--img-size {size}: {args.model}: {refusal}")
+    x = torch.randn(2, hub.input_shape(model)[0], size, size)  # the stem's channels
     # the exported graph takes every op's export formula whatever the backend: the eager
     # forwards here (the size check, onnx_export's own, --check's reference) run the torch
     # reference
@@ -461,9 +466,16 @@ def _cmd_export(args, parser) -> int:
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # Python checks of traced sizes
         warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's future
         warnings.filterwarnings("ignore", "Constant folding - Only steps=1", UserWarning)
-        with reference:  # timm's onnx_export runs the model eagerly too
-            onnx_export(model, args.out, example_input=x, opset=args.opset,
-                        dynamic_size=args.dynamic_size, use_dynamo=args.dynamo, check=True)
+        try:
+            with reference:  # timm's onnx_export runs the model eagerly too
+                onnx_export(model, args.out, example_input=x, opset=args.opset,
+                            dynamic_size=args.dynamic_size, use_dynamo=args.dynamo, check=True)
+        except Exception as e:  # noqa: BLE001 - an exporter's failure, in one line
+            cause = e
+            while cause.__cause__ is not None:  # torch.export wraps the model's own error
+                cause = cause.__cause__
+            parser.error(f"{args.model} at {size}x{size}: the {exporter} exporter failed: "
+                         f"{type(cause).__name__}: {first_line(cause)}")
     import onnx
     written = next(o.version for o in onnx.load(args.out, load_external_data=False).opset_import
                    if o.domain in ("", "ai.onnx"))
@@ -476,9 +488,11 @@ def _cmd_export(args, parser) -> int:
     if args.check:  # the export's input, then another batch (and size, where it is dynamic)
         import onnxruntime
         session = onnxruntime.InferenceSession(args.out, providers=["CPUExecutionProvider"])
-        other = size + 32 if args.dynamic_size else size
+        # another batch; where the size is dynamic, a larger size and the smallest the model
+        # takes too (its last maps of side 1, where a formula may divide by zero)
+        others = [size + 32, hub.smallest_size(model)] if args.dynamic_size else [size]
         diffs = []
-        for inputs in (x, torch.randn(3, x.shape[1], other, other)):
+        for inputs in [x] + [torch.randn(3, x.shape[1], o, o) for o in dict.fromkeys(others)]:
             with torch.no_grad(), reference:
                 logits = model(inputs)
             got = session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0]
@@ -519,7 +533,7 @@ def _cmd_attention(args, parser) -> int:
     import timm
     from PIL import Image
 
-    from .layers import attention_maps
+    from .layers import attention_layers, attention_maps
     from .visualize import draw_attention, query_grid, query_heat
 
     _check_model(parser, args.model)
@@ -540,12 +554,11 @@ def _cmd_attention(args, parser) -> int:
         image = Image.open(args.image).convert("RGB")
     except (OSError, ValueError) as e:
         parser.error(f"{args.image}: cannot read the image: {_one_line(e)}")
-    if args.checkpoint and args.model_kwargs:
-        parser.error("--model-kwargs and --checkpoint: the checkpoint's model arguments are used")
     _check_model_kwargs(parser, args.model, args.model_kwargs)
     try:
         if args.checkpoint:  # any layout convert or publish reads, its head size included
-            model = hub.load_checkpoint_model(args.model, args.checkpoint).model
+            model = hub.load_checkpoint_model(args.model, args.checkpoint,
+                                              model_kwargs=dict(args.model_kwargs)).model
         else:
             model = timm.create_model(args.model, pretrained=args.pretrained,
                                       **dict(args.model_kwargs)).eval()
@@ -555,6 +568,10 @@ def _cmd_attention(args, parser) -> int:
         parser.error(f"{where}: {_one_line(e)}")
     if not (args.pretrained or args.checkpoint):
         print(f"no --checkpoint or --pretrained: {args.model} with random weights", flush=True)
+    channels = hub.input_shape(model)[0]
+    if channels != 3:
+        parser.error(f"{args.model} takes {channels}-channel images; attention draws over an "
+                     "RGB image, for a 3-channel model")
     cfg = model.pretrained_cfg
     size = args.img_size or cfg["input_size"][-1]
     resized = image.resize((size, size), Image.BILINEAR).tobytes()
@@ -567,6 +584,8 @@ def _cmd_attention(args, parser) -> int:
     except backends.BackendUnsupportedError as e:
         parser.error(_one_line(e))
     except ValueError as e:
+        if not attention_layers(model):
+            parser.error(f"{args.model}: {_one_line(e)}")
         option = "--layer" if str(e).startswith("layers:") else f"--img-size {size}"
         parser.error(f"{option}: {_one_line(e).removeprefix('layers: ')}")
     prefix = getattr(model, "num_prefix_tokens", 0)
@@ -961,7 +980,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--img-size", type=_int_at_least(1), default=None,
                    help="the model's input size (default: the model's)")
     p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
-                   help="create_model arguments, e.g. num_classes=10 (default: none)")
+                   help="create_model arguments, e.g. padding_mode=zeros for a SAN checkpoint "
+                        "trained so; over those a checkpoint gives (default: none)")
     p.add_argument("-o", "--out", default="attention.png",
                    help="the picture to write; its extension is its format (png, pdf, svg, ...)")
     p.set_defaults(func=_cmd_attention, parser=p)

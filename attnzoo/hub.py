@@ -31,6 +31,7 @@ import contextlib
 import copy
 import importlib
 import json
+import math
 import os
 import pickle
 import re
@@ -165,6 +166,10 @@ def _convert(model_name: str, checkpoint: Any, model: Optional[torch.nn.Module] 
     import timm
     if model is None:
         model = timm.create_model(model_name, pretrained=False, device="meta", **model_kwargs)
+        grid = {} if "img_size" in model_kwargs else grid_args(model, checkpoint)
+        if grid:  # the grid it was trained at: the filter would resample it to the default's
+            model = timm.create_model(model_name, pretrained=False, device="meta",
+                                      **model_kwargs, **grid)
     state_dict = _family_module(model_name).checkpoint_filter_fn(checkpoint, model)
     return {k: v.contiguous() for k, v in state_dict.items()}
 
@@ -181,6 +186,23 @@ def head_and_stem_args(cfg: Mapping[str, Any], state_dict: Mapping[str, torch.Te
     if stem is not None and stem.shape[1] != 3:
         args["in_chans"] = stem.shape[1]
     return args
+
+
+def grid_args(model: torch.nn.Module, checkpoint: Any) -> Dict[str, Tuple[int, int]]:
+    """The ``img_size`` of a fixed-size ViT whose checkpoint's position embedding holds another
+    (square) grid: the size it was trained at. Built at its default, timm's filter would
+    resample the embedding to that default without a word, and the logits change."""
+    embed = getattr(model, "patch_embed", None)
+    pos = checkpoint.get("pos_embed") if isinstance(checkpoint, Mapping) else None
+    if not (isinstance(pos, torch.Tensor) and pos.dim() == 3 and embed is not None
+            and getattr(embed, "strict_img_size", False)):
+        return {}
+    tokens = pos.shape[1] - (0 if getattr(model, "no_embed_class", False)
+                             else getattr(model, "num_prefix_tokens", 0))
+    side = math.isqrt(max(tokens, 0))
+    if side < 1 or side * side != tokens or (side, side) == tuple(embed.grid_size):
+        return {}
+    return {"img_size": (side * embed.patch_size[0], side * embed.patch_size[1])}
 
 
 def load_official(model_name: str, path: PathLike, **model_kwargs) -> Dict[str, torch.Tensor]:
@@ -219,11 +241,17 @@ def save_converted(state_dict: Dict[str, torch.Tensor], path: PathLike) -> None:
     """Write a converted state dict as safetensors or, for ``.pth`` / ``.pt`` / ``.bin``, with
     ``torch.save`` (both what timm's ``file=`` overlay loads)."""
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
-    if check_output_path(path) == "torch":
-        torch.save(tensors, os.fspath(path))
-        return
-    import safetensors.torch
-    safetensors.torch.save_file(tensors, os.fspath(path))
+    try:
+        if check_output_path(path) == "torch":
+            torch.save(tensors, os.fspath(path))
+        else:
+            import safetensors.torch
+            safetensors.torch.save_file(tensors, os.fspath(path))
+    except ValueError:  # check_output_path's
+        raise
+    except Exception as e:  # noqa: BLE001 - torch's RuntimeError, safetensors' own error
+        raise OSError(f"output {os.fspath(path)!r}: cannot write it: "
+                      f"{' '.join(str(e).split()) or type(e).__name__}") from e
 
 
 # ``--model-kwargs`` entries that say where train.py took initial weights from: they build no
@@ -345,6 +373,10 @@ def load_checkpoint_model(model_name: str, path: PathLike, use_ema: bool = False
         model = timm.create_model(model_name, device="meta", **kwargs)
     except TypeError as e:  # an argument the model does not take
         raise ValueError(f"{name}: {model_name} cannot be built with {kwargs}: {e}") from None
+    grid = {} if "img_size" in kwargs else grid_args(model, checkpoint)
+    if grid:  # before the conversion, whose filter would resample the position embedding
+        kwargs.update(grid)
+        model = timm.create_model(model_name, device="meta", **kwargs)
     state_dict = _convert(model_name, checkpoint, model)
     inferred = {k: v for k, v in head_and_stem_args(model.pretrained_cfg, state_dict).items()
                 if k not in kwargs}
@@ -421,7 +453,8 @@ def _eval_targets(model: torch.nn.Module, image_dir: str, folders: Sequence[str]
     shown = ", ".join(list(folders)[:3]) + (", ..." if len(folders) > 3 else "")
     imagenet = (" or ImageNet-1k synset folders (n01440764, ...; any part of ImageNet val)"
                 if n == 1000 else "")
-    raise ValueError(f"--eval-dir {image_dir!r} has {len(folders)} class folders ({shown}) and "
+    found = f"{len(folders)} class folders ({shown})" if shown else "no class folders"
+    raise ValueError(f"--eval-dir {image_dir!r} has {found} and "
                      f"{images} images; the {n}-class head needs an ImageFolder with exactly "
                      f"{n} class folders, in the head's order when sorted{imagenet}")
 
@@ -476,6 +509,19 @@ def measure_facts(model: torch.nn.Module) -> Dict[str, Any]:
         macs = count_macs(model, (1, *input_shape(model)))
     return {"gmacs": round(macs / 1e9, 2), "ops": list(calls),
             "backends": {op: backends.call_limits(op, keys) for op, keys in calls.items()}}
+
+
+def smallest_size(model: torch.nn.Module) -> int:
+    """The smallest square input side worth running ``model`` at: its minimum (attnzoo's
+    models' ``min_size``), at least its total stride, where its last maps have side 1; a
+    fixed-size model's only size."""
+    cfg = model.pretrained_cfg
+    if cfg.get("fixed_input_size"):
+        return cfg["input_size"][-1]
+    info = getattr(model, "feature_info", None)
+    stride = info[-1].get("reduction", 32) if isinstance(info, list) and info and isinstance(
+        info[-1], dict) else 32
+    return max(getattr(model, "min_size", 1), stride)
 
 
 def _probe_input(model: torch.nn.Module) -> torch.Tensor:

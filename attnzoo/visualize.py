@@ -108,8 +108,9 @@ def draw_attention(image, heat: torch.Tensor, query_xy: Tuple[float, float], out
         ax.set_ylabel("y (pixels)", fontsize=8)
         if labels:
             ax.set_title(labels[i], fontsize=10)
-    import textwrap  # the title's lines fit the panels' width (~55 characters a panel)
-    fig.suptitle("\n".join(textwrap.fill(line, 55 * cols) for line in title.splitlines()),
+    import textwrap  # the title's lines fit the panels' width (a 4-inch panel at 100 dpi holds
+    # ~50 characters of 10 pt text: 55 were 410 px wide, cut at both edges of one panel)
+    fig.suptitle("\n".join(textwrap.fill(line, 48 * cols) for line in title.splitlines()),
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=100)

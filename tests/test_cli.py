@@ -89,6 +89,10 @@ def test_cli_list(capsys):
     assert cli.main(["list", "nat_*"]) == 0
     out = capsys.readouterr().out.split()
     assert out == ["nat_base", "nat_mini", "nat_small", "nat_tiny"]
+    # a model's name lists its tags, as timm.list_models('nat_mini', pretrained=True) does
+    assert cli.main(["list", "--pretrained", "nat_mini"]) == 0
+    assert capsys.readouterr().out.split() == timm.list_models("nat_mini", pretrained=True) \
+        == ["nat_mini.in1k"]
 
 
 def test_cli_bench_reports_every_backend(capsys):
@@ -106,6 +110,68 @@ def test_cli_bench_reports_every_backend(capsys):
     # NAT uses relative positional bias: NATTEN >= 0.20 and the cuda backend (on CPU tensors)
     # must say why they cannot run it rather than fall back.
     assert "unavailable" in rows[2] and "unavailable" in rows[3]
+
+
+def test_cli_bench_and_export_feed_a_model_its_stem_s_channels(tmp_path, capsys):
+    """A model built with in_chans=1 (timm's cfg keeps 3 channels): bench and export build
+    1-channel inputs, where both refused the model, blaming --img-size."""
+    assert cli.main(["bench", "nat_mini", "--img-size", "64", "--batch-size", "1", "--steps", "1",
+                     "--warmup", "0", "--backends", "torch", "--model-kwargs", "in_chans=1"]) == 0
+    assert "GMACs at 64x64" in capsys.readouterr().out
+    torch.manual_seed(7)
+    model = timm.create_model("nat_mini", in_chans=1).eval()
+    checkpoint, out_file = tmp_path / "gray.pth", tmp_path / "gray.onnx"
+    torch.save(model.state_dict(), checkpoint)
+    assert cli.main(["export", "nat_mini", str(out_file), "--checkpoint", str(checkpoint),
+                     "--img-size", "64", "--check"]) == 0  # the checkpoint's channels
+    out = capsys.readouterr().out
+    assert "onnxruntime vs PyTorch, input [2, 1, 64, 64]" in out, out
+
+
+def test_a_quest_vit_built_at_another_size_keeps_it_through_convert_export_and_loading(
+        tmp_path, capsys):
+    """A QUEST-ViT trained at 64 px (img_size=64): its cfg says 64; its checkpoint is built at
+    the position embedding's grid by the loaders (publish, export, attention) and by
+    convert's load line, where timm's filter resampled it to 224 without a word."""
+    name = "quest_vit_tiny_patch16_224"
+    torch.manual_seed(6)
+    source = timm.create_model(name, img_size=64, num_classes=10).eval()
+    assert source.pretrained_cfg["input_size"] == (3, 64, 64)
+    checkpoint = tmp_path / "quest64.pth"
+    torch.save(source.state_dict(), checkpoint)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        want = source(x)
+    loaded = hub.load_checkpoint_model(name, checkpoint)
+    assert loaded.model_args == {"img_size": (64, 64)}
+    assert loaded.model.pretrained_cfg["input_size"] == (3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(x), want)
+    converted = tmp_path / "quest64.safetensors"
+    assert cli.main(["convert", name, str(checkpoint), str(converted)]) == 0
+    load = capsys.readouterr().out.strip().split("Load it with ", 1)[1]
+    assert "img_size=(64, 64)" in load
+    with torch.no_grad():
+        assert torch.equal(eval(load, {"timm": timm}).eval()(x), want)
+    assert cli.main(["export", name, str(tmp_path / "q.onnx"), "--checkpoint",
+                     str(checkpoint)]) == 0
+    assert f"exporting {name} at 64x64" in capsys.readouterr().out
+
+
+def test_cli_convert_says_in_one_line_that_it_cannot_write(tmp_path, capsys, monkeypatch):
+    def refuse(*args, **kwargs):  # as torch.save into a folder the user may not write
+        raise RuntimeError("[enforce fail at inline_container.cc:747] . open file failed "
+                           "because of errno 13 on fopen: Permission denied")
+
+    checkpoint = tmp_path / "quest.pth"
+    torch.save(timm.create_model("quest_vit_tiny_patch16_224").state_dict(), checkpoint)
+    monkeypatch.setattr(torch, "save", refuse)
+    out = tmp_path / "out.pth"
+    with pytest.raises(SystemExit) as info:
+        cli.main(["convert", "quest_vit_tiny_patch16_224", str(checkpoint), str(out)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"output '{out}': cannot write it: [enforce fail" in err and "Permission denied" in err
 
 
 def test_cli_bench_model_without_attnzoo_ops(capsys):
@@ -473,7 +539,7 @@ def test_cli_attention_loads_the_checkpoint_and_names_bad_layers(picture, tmp_pa
             (["--checkpoint", str(garbage)], f"--checkpoint {garbage}: '{garbage}' is not a "
                                              "readable torch or safetensors checkpoint"),
             (["--checkpoint", str(weights), "--model-kwargs", "num_classes=3"],
-             "--model-kwargs and --checkpoint: the checkpoint's model arguments are used"),
+             f"--checkpoint {weights}: checkpoint does not match nat_mini: "),
             (["--layer", "9.0"], "--layer: '9.0' is not an attention layer of NAT; accepted: "),
             (["--layer", "0.0", "--head", "5"], "--head 5: head must be 'mean', 'all' or a head "
                                                "index below 2, got 5"),

@@ -326,6 +326,35 @@ def test_every_op_exports_to_onnx_for_any_batch_and_map_size(exporter, tmp_path)
             torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_san_s_position_grid_exports_for_a_map_of_side_1(exporter, tmp_path):
+    """A pairwise SAM's position encoding ([-1, 1] per axis, linspace's) on a map of side 1
+    is -1, as in eager: SAN with zero padding reaches 1x1 maps at its 32 px minimum. The
+    export formula once divided by the side - 1 (0 * inf: NaN logits at 32-63 px)."""
+    if exporter == "dynamo" and _dynamo_skip_reason():
+        pytest.skip(_dynamo_skip_reason())
+    from attnzoo.layers.san import SAM
+    torch.manual_seed(5)
+    sam = SAM(8, 2, 8, share_planes=4, kernel_size=3, sa_type="pairwise",
+              padding_mode="zeros").eval()
+    x, path = torch.randn(2, 8, 4, 5), tmp_path / "sam.onnx"
+    with torch.no_grad():
+        if exporter == "dynamo":
+            dims = {0: torch.export.Dim("batch"), 2: torch.export.Dim("height"),
+                    3: torch.export.Dim("width")}
+            torch.onnx.export(sam, (x,), str(path), dynamo=True, input_names=["x"],
+                              dynamic_shapes=(dims,))
+        else:
+            torch.onnx.export(sam, (x,), str(path), dynamo=False, opset_version=17,
+                              input_names=["x"], dynamic_axes={"x": [0, 2, 3]})
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for inp in (torch.randn(1, 8, 1, 1), torch.randn(3, 8, 1, 6), torch.randn(1, 8, 3, 2)):
+        with torch.no_grad():
+            want = sam(inp)
+        got = torch.from_numpy(session.run(None, {"x": inp.numpy()})[0])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_eager_calls_never_run_an_export_formula(monkeypatch):
     def refuse(*args):
         raise AssertionError("an eager call ran an export formula")
@@ -561,11 +590,13 @@ def test_cli_exports_a_dynamic_size_at_an_opset_that_onnxruntime_runs_at_other_s
                                "16", "--check", "--model-kwargs", *_TINY_NAT_KWARGS], capsys)
     assert code == 0, err
     assert "at 64x64 with the TorchScript exporter, dynamic batch and size" in out
-    # --check ran the export's input and another batch and size (64 + 32)
+    # --check ran the export's input, another batch and size (64 + 32) and the smallest size,
+    # where the last maps are 1x1
     checked = [line for line in out.splitlines() if line.startswith("onnxruntime vs PyTorch")]
     assert [line.split(":")[0] for line in checked] == [
         "onnxruntime vs PyTorch, input [2, 3, 64, 64]",
-        "onnxruntime vs PyTorch, input [3, 3, 96, 96]"], out
+        "onnxruntime vs PyTorch, input [3, 3, 96, 96]",
+        "onnxruntime vs PyTorch, input [3, 3, 32, 32]"], out
     opsets = {o.domain: o.version for o in onnx.load(str(out_file)).opset_import}
     assert opsets[""] == 16
     # a size --check did not try, not square, with the last stage (3x4) below the 7x7 window

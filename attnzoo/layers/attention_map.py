@@ -75,8 +75,9 @@ def _resolve(model: nn.Module, layers: Union[None, str, Sequence[str]]) -> Dict[
         name = next((c for c in candidates if c in found), None)
         if name is None:
             names = list(found)
+            short = "'BLOCK'" if names[0].startswith("blocks.") else "'STAGE.BLOCK'"  # a ViT's
             raise ValueError(f"layers: {layer!r} is not an attention layer of "
-                             f"{type(model).__name__}; accepted: 'STAGE.BLOCK' or a name, e.g. "
+                             f"{type(model).__name__}; accepted: {short} or a name, e.g. "
                              f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
                              f"({len(names)} in all)")
         chosen[name] = found[name]

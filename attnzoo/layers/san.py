@@ -86,7 +86,10 @@ def _unit_axis(n: int, x: torch.Tensor) -> torch.Tensor:
     # (is_scripting() first: TorchScript compiles neither the check nor the export branch)
     if not torch.jit.is_scripting():
         if backends.exporting():  # torch.export bakes linspace's length in, arange's follows n
-            return torch.arange(n, device=x.device, dtype=x.dtype) * (2 / (n - 1)) - 1
+            # a map of side 1 gets -1, as from linspace (not 0 * inf); the ONNX tracer's sizes
+            # are tensors, torch.export's symbolic ints
+            gaps = (n - 1).clamp(min=1) if isinstance(n, torch.Tensor) else torch.sym_max(n - 1, 1)
+            return torch.arange(n, device=x.device, dtype=x.dtype) * (2 / gaps) - 1
     return torch.linspace(-1., 1., n, device=x.device, dtype=x.dtype)
 
 

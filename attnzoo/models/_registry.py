@@ -35,8 +35,9 @@ def list_models(filter: Union[str, List[str]] = "", pretrained: bool = False,
     if pretrained:
         names = timm.list_models(names, pretrained=True) if names else []
     filters = [filter] if isinstance(filter, str) else list(filter)
-    if any(filters):
-        names = [n for n in names if any(fnmatch.fnmatch(n, f) for f in filters if f)]
+    if any(filters):  # a tag matches by its own name or its model's, as in timm.list_models
+        names = [n for n in names if any(fnmatch.fnmatch(n, f) or fnmatch.fnmatch(
+            n.split(".", 1)[0], f) for f in filters if f)]
     return sorted(names)
 
 

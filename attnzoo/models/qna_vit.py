@@ -328,7 +328,7 @@ def read_checkpoint(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     except ImportError as e:
         raise ImportError(
             f"reading the official QnA-ViT Flax checkpoints needs msgpack and numpy ({e}): "
-            "pip install 'attnzoo[convert]' (or pip install msgpack numpy)") from e
+            "pip install msgpack numpy (from a checkout: pip install -e '.[convert]')") from e
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")

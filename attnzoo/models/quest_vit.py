@@ -172,6 +172,13 @@ def _create_quest_vit(variant: str, pretrained: bool = False, **kwargs) -> Visio
     # features_only wraps the model (FeatureGetterNet): its patch_embed is the same module.
     model_vit = getattr(model, 'model', model)
     model_vit.patch_embed.register_forward_pre_hook(_check_input)
+    size = model_vit.patch_embed.img_size
+    if size is not None and tuple(size) != tuple(model.pretrained_cfg['input_size'][1:]):
+        # built for another size (img_size=): the only one it takes, so its data config's too
+        # (timm's ViTs keep the tag's; export, bench, publish and validate.py read it)
+        cfg = {**model.pretrained_cfg,
+               'input_size': (model.pretrained_cfg['input_size'][0], *size)}
+        model.pretrained_cfg = model.default_cfg = model_vit.pretrained_cfg = cfg
     return model
 
 
