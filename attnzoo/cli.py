@@ -279,9 +279,17 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _check_new_file(parser, path: str, force: bool) -> None:
+    """An existing file is replaced only with --force (as configs -o and publish --out refuse
+    to overwrite): a second export or conversion to one name would end the first."""
+    if os.path.isfile(path) and not force:
+        parser.error(f"{path}: the file exists; pass --force to replace it")
+
+
 def _cmd_convert(args, parser) -> int:
     _check_model(parser, args.model)
     hub.check_output_path(args.out)  # before the conversion, which may take a while
+    _check_new_file(parser, args.out, args.force)
     try:
         state_dict = hub.load_official(args.model, args.checkpoint)
     except (ValueError, OSError, ImportError) as e:
@@ -415,6 +423,7 @@ def _cmd_export(args, parser) -> int:
         parser.error(f"{args.out}: folder {out_dir} does not exist")
     if os.path.isdir(args.out):
         parser.error(f"{args.out}: a folder; give the .onnx file's path")
+    _check_new_file(parser, args.out, args.force)
     opsets = _export_opsets(args.dynamo)
     if args.opset is not None and args.opset not in opsets:
         other = _export_opsets(not args.dynamo)
@@ -742,6 +751,9 @@ def _cmd_timm(args, parser) -> int:
     (already imported with attnzoo) serves the script even inside a timm clone, whose folder
     Python would otherwise put first on sys.path."""
     script = args.script
+    if script is None:
+        parser.error("the script to run is required, e.g. attnzoo timm "
+                     "pytorch-image-models/validate.py --model nat_mini ...")
     if not os.path.isfile(script):
         parser.error(f"script {script!r} {_missing(script)} (timm's train.py, validate.py, "
                      "benchmark.py and inference.py are in timm's GitHub repository)")
@@ -876,6 +888,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="the official checkpoint file")
     p.add_argument("out", metavar="OUT",
                    help=f"output file: {', '.join(hub.CONVERTED_FORMATS)}; its folder must exist")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it exists (default: refuse)")
     p.set_defaults(func=_cmd_convert, parser=p)
 
     p = command("info", "a model's family, paper, config, cost, input sizes, pretrained weights "
@@ -917,6 +931,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "optionally dynamic size")
     p.add_argument("model", help="an attnzoo model or pretrained tag, e.g. nat_mini")
     p.add_argument("out", help="the .onnx file to write")
+    p.add_argument("--force", action="store_true",
+                   help="replace the file if it exists (default: refuse)")
     p.add_argument("--checkpoint", default=None,
                    help="weights to load (timm's checkpoint_path: a train.py checkpoint or a "
                         "state dict); default: random weights, nothing downloaded")
@@ -1003,7 +1019,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("timm", "run a timm script (train.py, validate.py, benchmark.py, inference.py) "
                         "with attnzoo's models registered")
-    p.add_argument("script", help="path of the script, e.g. pytorch-image-models/validate.py")
+    # (optional for argparse, checked by the command: argparse would name script_args too)
+    p.add_argument("script", nargs="?",
+                   help="path of the script, e.g. pytorch-image-models/validate.py (no "
+                        "default: required)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     p.set_defaults(func=_cmd_timm, parser=p)
     return parser

@@ -158,6 +158,25 @@ def test_a_quest_vit_built_at_another_size_keeps_it_through_convert_export_and_l
     assert f"exporting {name} at 64x64" in capsys.readouterr().out
 
 
+def test_cli_convert_and_export_replace_an_existing_file_only_with_force(tmp_path, capsys):
+    checkpoint, out = tmp_path / "quest.pth", tmp_path / "quest.safetensors"
+    torch.save(timm.create_model("quest_vit_tiny_patch16_224").state_dict(), checkpoint)
+    for existing, argv in ((out, ["convert", "quest_vit_tiny_patch16_224", str(checkpoint),
+                                  str(out)]),
+                           (tmp_path / "q.onnx", ["export", "quest_vit_tiny_patch16_224",
+                                                  str(tmp_path / "q.onnx")])):
+        existing.write_bytes(b"the user's earlier file")
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.strip() == (
+            f"attnzoo {argv[0]}: error: {existing}: the file exists; pass --force to replace it")
+        assert existing.read_bytes() == b"the user's earlier file"
+        assert cli.main(argv + ["--force"]) == 0
+        assert existing.read_bytes() != b"the user's earlier file"
+    capsys.readouterr()
+
+
 def test_cli_convert_says_in_one_line_that_it_cannot_write(tmp_path, capsys, monkeypatch):
     def refuse(*args, **kwargs):  # as torch.save into a folder the user may not write
         raise RuntimeError("[enforce fail at inline_container.cc:747] . open file failed "
@@ -197,6 +216,7 @@ def test_cli_bench_model_without_attnzoo_ops(capsys):
     (["convert", "nat_mini"], "the following arguments are required: CHECKPOINT, OUT"),
     (["timm", "/does/not/train.py"], "does not exist"),
     (["timm", "/"], "script '/' is a folder, not a file"),
+    (["timm"], "the script to run is required, e.g. attnzoo timm "),
     (["convert", "nat_mini", "/", "out.safetensors"],
      "checkpoint '/' is a folder, not a checkpoint file"),
     (["configs", "nat_tiny", "-o", "/"], "-o /: a folder; give a new file's path"),
@@ -254,6 +274,14 @@ def test_cli_user_errors_are_one_line_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"attnzoo {argv[0]}: error: ")
+
+
+def test_cli_info_checks_the_device_before_printing_anything(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["info", "nat_mini", "--device", "cuda"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and err.startswith("attnzoo info: error: --device")
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -544,8 +572,11 @@ def test_cli_attention_loads_the_checkpoint_and_names_bad_layers(picture, tmp_pa
             (["--layer", "0.0", "--head", "5"], "--head 5: head must be 'mean', 'all' or a head "
                                                "index below 2, got 5"),
             (["--query", "200,0"], "--query 200,0: outside the 120x160 (HxW) image"),
-            (["--query", "-1,5"], "--query -1,5: outside the 120x160 (HxW) image")):
-        argv = ["attention", "nat_mini", str(picture), "--layer", "0.0", "--query", "1,1",
+            (["--query", "-1,5"], "--query -1,5: outside the 120x160 (HxW) image"),
+            (["--model", "resnet18"], "resnet18: ResNet has no attnzoo attention layer")):
+        model = args[1] if args[0] == "--model" else "nat_mini"
+        args = [] if args[0] == "--model" else args
+        argv = ["attention", model, str(picture), "--layer", "0.0", "--query", "1,1",
                 "-o", str(out)] + args
         with pytest.raises(SystemExit) as info:
             cli.main(argv)
