@@ -546,6 +546,25 @@ def test_cli_says_in_one_line_why_a_fixed_size_model_has_no_dynamic_size(tmp_pat
     assert not (tmp_path / "q.onnx").exists()
 
 
+def test_cli_says_in_one_line_why_the_exporter_failed(tmp_path, capsys, monkeypatch):
+    """An exporter's failure (torch.export wraps the model's own error) is one line naming the
+    model, the size and the first cause, not some 300 lines of traceback."""
+    import timm.utils.onnx
+
+    def fail(*args, **kwargs):
+        try:
+            raise ZeroDivisionError("division by zero")
+        except ZeroDivisionError as e:
+            raise RuntimeError("Failed to export the model with torch.export.\nmany lines") from e
+
+    monkeypatch.setattr(timm.utils.onnx, "onnx_export", fail)
+    code, out, err = _run_cli(["export", "nat_mini", str(tmp_path / "n.onnx"), "--img-size",
+                               "64"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("attnzoo export: error: nat_mini at 64x64: the TorchScript exporter "
+                          "failed: ZeroDivisionError: division by zero"), err
+
+
 def test_cli_names_the_extra_when_onnx_is_missing(tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
