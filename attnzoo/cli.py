@@ -483,8 +483,10 @@ def _cmd_export(args, parser) -> int:
             cause = e
             while cause.__cause__ is not None:  # torch.export wraps the model's own error
                 cause = cause.__cause__
+            if os.path.isfile(args.out):  # a partial file is no export
+                os.remove(args.out)
             parser.error(f"{args.model} at {size}x{size}: the {exporter} exporter failed: "
-                         f"{type(cause).__name__}: {first_line(cause)}")
+                         f"{type(cause).__name__}: {first_line(cause)}; nothing written")
     import onnx
     written = next(o.version for o in onnx.load(args.out, load_external_data=False).opset_import
                    if o.domain in ("", "ai.onnx"))

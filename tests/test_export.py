@@ -551,7 +551,9 @@ def test_cli_says_in_one_line_why_the_exporter_failed(tmp_path, capsys, monkeypa
     model, the size and the first cause, not some 300 lines of traceback."""
     import timm.utils.onnx
 
-    def fail(*args, **kwargs):
+    def fail(model, path, **kwargs):
+        with open(path, "wb") as partial:
+            partial.write(b"half an ONNX file")
         try:
             raise ZeroDivisionError("division by zero")
         except ZeroDivisionError as e:
@@ -562,7 +564,8 @@ def test_cli_says_in_one_line_why_the_exporter_failed(tmp_path, capsys, monkeypa
                                "64"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("attnzoo export: error: nat_mini at 64x64: the TorchScript exporter "
-                          "failed: ZeroDivisionError: division by zero"), err
+                          "failed: ZeroDivisionError: division by zero; nothing written"), err
+    assert not (tmp_path / "n.onnx").exists()
 
 
 def test_cli_names_the_extra_when_onnx_is_missing(tmp_path, capsys, monkeypatch):
