@@ -231,20 +231,23 @@ def _cmd_bench(args, parser) -> int:
         parser.error(f"cannot build {args.model}: {_one_line(e)}")
     model = model.to(device=device, dtype=dtype)
     model.train(args.backward)
-    size = args.img_size or model.pretrained_cfg["input_size"][-1]
-    channels = hub.input_shape(model)[0]  # the stem's
-    x = torch.randn(args.batch_size, channels, size, size, device=device, dtype=dtype)
+    # the model's own size (a fixed-size model's may not be square), or --img-size's square
+    hw = tuple(model.pretrained_cfg["input_size"][1:]) if args.img_size is None else (
+        args.img_size,) * 2
+    size = "x".join(map(str, hw))
+    shape = hub.input_shape(model, (3, *hw))  # the stem's channels
+    x = torch.randn(args.batch_size, *shape, device=device, dtype=dtype)
     try:  # on the torch reference: each row below runs its own backend
         with backends.use_backend("torch"):
-            macs = count_macs(model, (1, channels, size, size))
+            macs = count_macs(model, (1, *shape))
             ops = _ops_used(model, x)
     except (ValueError, AssertionError, RuntimeError) as e:
         # the model rejects this input: below its minimum, or not the size a fixed-size model
         # (timm's own ViTs assert it) was built for
-        parser.error(f"--img-size {size}: {args.model} cannot run a {size}x{size} input: "
+        parser.error(f"--img-size {hw[0]}: {args.model} cannot run a {size} input: "
                      f"{first_line(e)}")
     print(f"{args.model}: {count_params(model) / 1e6:.2f} M params, "
-          f"{macs / 1e9:.2f} GMACs at {size}x{size}", flush=True)
+          f"{macs / 1e9:.2f} GMACs at {size}", flush=True)
     print(f"throughput, batch {args.batch_size}, {args.dtype} on {device}, "
           f"{'forward+backward' if args.backward else 'inference'}, {args.steps} steps:",
           flush=True)
@@ -453,10 +456,12 @@ def _cmd_export(args, parser) -> int:
     refusal = hub.dynamic_size_refusal(cfg)
     if args.dynamic_size and refusal:
         parser.error(f"--dynamic-size: {args.model} cannot export with a dynamic size: {refusal}")
-    size = args.img_size or cfg["input_size"][-1]
-    if refusal and size != cfg["input_size"][-1]:
-        parser.error(f"--img-size {size}: {args.model}: {refusal}")
-    x = torch.randn(2, hub.input_shape(model)[0], size, size)  # the stem's channels
+    # the model's own size (a fixed-size model's may not be square), or --img-size's square
+    hw = tuple(cfg["input_size"][1:]) if args.img_size is None else (args.img_size,) * 2
+    if refusal and hw != tuple(cfg["input_size"][1:]):
+        parser.error(f"--img-size {args.img_size}: {args.model}: {refusal}")
+    size = "x".join(map(str, hw))
+    x = torch.randn(2, *hub.input_shape(model, (3, *hw)))  # the stem's channels
     # the exported graph takes every op's export formula whatever the backend: the eager
     # forwards here (the size check, onnx_export's own, --check's reference) run the torch
     # reference
@@ -465,10 +470,10 @@ def _cmd_export(args, parser) -> int:
         with torch.no_grad(), reference:
             model.eval()(x)
     except ValueError as e:
-        parser.error(f"--img-size {size}: {args.model} cannot run a {size}x{size} input: "
+        parser.error(f"--img-size {hw[0]}: {args.model} cannot run a {size} input: "
                      f"{first_line(e)}")
     exporter = "dynamo (torch.export)" if args.dynamo else "TorchScript"
-    print(f"exporting {args.model} at {size}x{size} with the {exporter} exporter, dynamic "
+    print(f"exporting {args.model} at {size} with the {exporter} exporter, dynamic "
           f"batch{' and size' if args.dynamic_size else ''}...", flush=True)
     from timm.utils.onnx import onnx_export
     with warnings.catch_warnings():  # torch's notes, which name none of the user's choices:
@@ -485,8 +490,9 @@ def _cmd_export(args, parser) -> int:
                 cause = cause.__cause__
             if os.path.isfile(args.out):  # a partial file is no export
                 os.remove(args.out)
-            parser.error(f"{args.model} at {size}x{size}: the {exporter} exporter failed: "
-                         f"{type(cause).__name__}: {first_line(cause)}; nothing written")
+            why = type(cause).__name__ + (f": {first_line(cause)}" if str(cause).strip() else "")
+            parser.error(f"{args.model} at {size}: the {exporter} exporter failed: {why}; "
+                         "nothing written")
     import onnx
     written = next(o.version for o in onnx.load(args.out, load_external_data=False).opset_import
                    if o.domain in ("", "ai.onnx"))
@@ -501,9 +507,10 @@ def _cmd_export(args, parser) -> int:
         session = onnxruntime.InferenceSession(args.out, providers=["CPUExecutionProvider"])
         # another batch; where the size is dynamic, a larger size and the smallest the model
         # takes too (its last maps of side 1, where a formula may divide by zero)
-        others = [size + 32, hub.smallest_size(model)] if args.dynamic_size else [size]
+        others = [(hw[0] + 32,) * 2, (hub.smallest_size(model),) * 2] if args.dynamic_size \
+            else [hw]
         diffs = []
-        for inputs in [x] + [torch.randn(3, x.shape[1], o, o) for o in dict.fromkeys(others)]:
+        for inputs in [x] + [torch.randn(3, x.shape[1], *o) for o in dict.fromkeys(others)]:
             with torch.no_grad(), reference:
                 logits = model(inputs)
             got = session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0]
@@ -584,9 +591,10 @@ def _cmd_attention(args, parser) -> int:
         parser.error(f"{args.model} takes {channels}-channel images; attention draws over an "
                      "RGB image, for a 3-channel model")
     cfg = model.pretrained_cfg
-    size = args.img_size or cfg["input_size"][-1]
-    resized = image.resize((size, size), Image.BILINEAR).tobytes()
-    pixels = torch.frombuffer(bytearray(resized), dtype=torch.uint8).reshape(size, size, 3) / 255
+    # the model's own size (a fixed-size model's may not be square), or --img-size's square
+    in_h, in_w = tuple(cfg["input_size"][1:]) if args.img_size is None else (args.img_size,) * 2
+    resized = image.resize((in_w, in_h), Image.BILINEAR).tobytes()
+    pixels = torch.frombuffer(bytearray(resized), dtype=torch.uint8).reshape(in_h, in_w, 3) / 255
     mean, std = (torch.tensor(cfg.get(key, default)) for key, default in (
         ("mean", (0.485, 0.456, 0.406)), ("std", (0.229, 0.224, 0.225))))
     x = ((pixels - mean) / std).permute(2, 0, 1).unsqueeze(0)
@@ -597,7 +605,7 @@ def _cmd_attention(args, parser) -> int:
     except ValueError as e:
         if not attention_layers(model):
             parser.error(f"{args.model}: {_one_line(e)}")
-        option = "--layer" if str(e).startswith("layers:") else f"--img-size {size}"
+        option = "--layer" if str(e).startswith("layers:") else f"--img-size {in_h}"
         parser.error(f"{option}: {_one_line(e).removeprefix('layers: ')}")
     prefix = getattr(model, "num_prefix_tokens", 0)
     rows, cols = query_grid(amap, prefix)
@@ -624,7 +632,7 @@ def _cmd_attention(args, parser) -> int:
         queries = amap.weights.shape[amap.axes.index("query")]
         labels = [f"{label}, mean of {queries} learned queries" for label in labels]
     title = (f"{args.model} {name}: query ({gy}, {gx}) of its {rows}x{cols} grid\n"
-             f"the model saw the {W}x{H} image resized to {size}x{size}; drawn at its own size")
+             f"the model saw the {W}x{H} image resized to {in_w}x{in_h}; drawn at its own size")
     draw_attention(image, heat, (qx, qy), args.out, title, labels)
     print(f"wrote {args.out}: {name}, query at pixel ({qy:g}, {qx:g}) = grid ({gy}, {gx}) of "
           f"{rows}x{cols}, {labels[0] if len(labels) == 1 else f'{len(labels)} {group}s'}",

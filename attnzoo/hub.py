@@ -42,7 +42,7 @@ import torch
 
 from . import __version__, backends
 from .models import list_models, model_family
-from .models._helpers import checkpoint_kind
+from .models._helpers import checkpoint_kind, unwrap_checkpoint
 from .models._weights import HUB_ORG, WEIGHTS, hub_repo
 from .profiling import count_macs, count_params
 
@@ -189,13 +189,17 @@ def head_and_stem_args(cfg: Mapping[str, Any], state_dict: Mapping[str, torch.Te
 
 
 def grid_args(model: torch.nn.Module, checkpoint: Any) -> Dict[str, Tuple[int, int]]:
-    """The ``img_size`` of a fixed-size ViT whose checkpoint's position embedding holds another
-    (square) grid: the size it was trained at. Built at its default, timm's filter would
-    resample the embedding to that default without a word, and the logits change."""
+    """The ``img_size`` of a ViT (QUEST-ViT) whose checkpoint's position embedding holds another
+    square grid of the same patch size: the size it was trained at. Built at its default, the
+    family's filter would resample the embedding to that default without a word (and the
+    logits change); a checkpoint of another patch size is resampled, as timm does."""
     embed = getattr(model, "patch_embed", None)
-    pos = checkpoint.get("pos_embed") if isinstance(checkpoint, Mapping) else None
-    if not (isinstance(pos, torch.Tensor) and pos.dim() == 3 and embed is not None
-            and getattr(embed, "strict_img_size", False)):
+    if embed is None or not isinstance(checkpoint, Mapping):
+        return {}
+    state = unwrap_checkpoint(checkpoint)  # {'model': ...} (DeiT's), DDP's 'module.'
+    pos, proj = state.get("pos_embed"), state.get("patch_embed.proj.weight")
+    if not (isinstance(pos, torch.Tensor) and pos.dim() == 3 and isinstance(proj, torch.Tensor)
+            and tuple(proj.shape[-2:]) == tuple(embed.patch_size)):
         return {}
     tokens = pos.shape[1] - (0 if getattr(model, "no_embed_class", False)
                              else getattr(model, "num_prefix_tokens", 0))
@@ -241,16 +245,19 @@ def save_converted(state_dict: Dict[str, torch.Tensor], path: PathLike) -> None:
     """Write a converted state dict as safetensors or, for ``.pth`` / ``.pt`` / ``.bin``, with
     ``torch.save`` (both what timm's ``file=`` overlay loads)."""
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    kind, path = check_output_path(path), os.fspath(path)
+    partial = f"{path}.partial"  # replaced into place when whole: a failure leaves any old file
     try:
-        if check_output_path(path) == "torch":
-            torch.save(tensors, os.fspath(path))
+        if kind == "torch":
+            torch.save(tensors, partial)
         else:
             import safetensors.torch
-            safetensors.torch.save_file(tensors, os.fspath(path))
-    except ValueError:  # check_output_path's
-        raise
+            safetensors.torch.save_file(tensors, partial)
+        os.replace(partial, path)
     except Exception as e:  # noqa: BLE001 - torch's RuntimeError, safetensors' own error
-        raise OSError(f"output {os.fspath(path)!r}: cannot write it: "
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise OSError(f"output {path!r}: cannot write it: "
                       f"{' '.join(str(e).split()) or type(e).__name__}") from e
 
 
@@ -512,12 +519,9 @@ def measure_facts(model: torch.nn.Module) -> Dict[str, Any]:
 
 
 def smallest_size(model: torch.nn.Module) -> int:
-    """The smallest square input side worth running ``model`` at: its minimum (attnzoo's
-    models' ``min_size``), at least its total stride, where its last maps have side 1; a
-    fixed-size model's only size."""
-    cfg = model.pretrained_cfg
-    if cfg.get("fixed_input_size"):
-        return cfg["input_size"][-1]
+    """The smallest square input side worth running a model of any input size at: its minimum
+    (attnzoo's models' ``min_size``), at least its total stride, where its last maps have side
+    1."""
     info = getattr(model, "feature_info", None)
     stride = info[-1].get("reduction", 32) if isinstance(info, list) and info and isinstance(
         info[-1], dict) else 32
@@ -935,8 +939,13 @@ def write_hub_folder(model: torch.nn.Module, out: PathLike, card: Mapping[str, A
 
 
 def _in_chans(model: torch.nn.Module) -> int:
-    first_conv = model.pretrained_cfg["first_conv"]
-    return model.get_submodule(first_conv).weight.shape[1]
+    first_conv = model.pretrained_cfg.get("first_conv")
+    if isinstance(first_conv, (tuple, list)):  # timm's models with several stems (CrossViT)
+        first_conv = first_conv[0] if first_conv else None
+    weight = getattr(model.get_submodule(first_conv), "weight", None) if first_conv else None
+    if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
+        return weight.shape[1]
+    return model.pretrained_cfg["input_size"][0]
 
 
 def check_reload(model: torch.nn.Module, folder: PathLike,

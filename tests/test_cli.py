@@ -156,6 +156,28 @@ def test_a_quest_vit_built_at_another_size_keeps_it_through_convert_export_and_l
     assert cli.main(["export", name, str(tmp_path / "q.onnx"), "--checkpoint",
                      str(checkpoint)]) == 0
     assert f"exporting {name} at 64x64" in capsys.readouterr().out
+    # wrapped as DeiT's files are ({'model': ...}), with DDP's prefixes: the same grid
+    wrapped = tmp_path / "wrapped.pth"
+    torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}}, wrapped)
+    assert hub.load_checkpoint_model(name, wrapped).model_args == {"img_size": (64, 64)}
+    # another patch size: resampled as timm does (its grid says nothing of our patch's size)
+    patch32 = tmp_path / "patch32.pth"
+    torch.save(timm.create_model(name, patch_size=32, depth=1).state_dict(), patch32)
+    loaded = hub.load_checkpoint_model(name, patch32, model_kwargs=dict(depth=1))
+    assert loaded.model_args == {"depth": 1}
+    assert loaded.model.pretrained_cfg["input_size"] == (3, 224, 224)
+    # a non-square size exports at that size
+    assert cli.main(["export", name, str(tmp_path / "wide.onnx"), "--model-kwargs",
+                     "img_size=(64, 96)", "depth=1"]) == 0
+    assert f"exporting {name} at 64x96" in capsys.readouterr().out
+
+
+def test_the_stem_s_channels_of_timm_models_with_several_stems_or_none_named():
+    """timm's first_conv is a tuple for CrossViT and FastViT: their channels are read from
+    the first (it raised AttributeError in bench, export and attention)."""
+    for name in ("fastvit_t8", "crossvit_tiny_240"):
+        model = timm.create_model(name, device="meta")
+        assert hub.input_shape(model) == model.pretrained_cfg["input_size"]
 
 
 def test_cli_convert_and_export_replace_an_existing_file_only_with_force(tmp_path, capsys):
@@ -186,11 +208,14 @@ def test_cli_convert_says_in_one_line_that_it_cannot_write(tmp_path, capsys, mon
     torch.save(timm.create_model("quest_vit_tiny_patch16_224").state_dict(), checkpoint)
     monkeypatch.setattr(torch, "save", refuse)
     out = tmp_path / "out.pth"
+    out.write_bytes(b"the user's earlier file")
     with pytest.raises(SystemExit) as info:
-        cli.main(["convert", "quest_vit_tiny_patch16_224", str(checkpoint), str(out)])
+        cli.main(["convert", "quest_vit_tiny_patch16_224", str(checkpoint), str(out), "--force"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"output '{out}': cannot write it: [enforce fail" in err and "Permission denied" in err
+    assert out.read_bytes() == b"the user's earlier file"  # a failed write replaces nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.pth", "quest.pth"]
 
 
 def test_cli_bench_model_without_attnzoo_ops(capsys):

@@ -293,9 +293,12 @@ def test_a_warm_call_skips_the_checks_that_its_metadata_passed(monkeypatch):
     # the same metadata with and without gradients: one check, the backward still runs
     before = len(checks)
     xg = x.clone().requires_grad_()
-    out = san_aggregation(xg, w, kernel_size=3)
+    with backends.record_calls() as calls:
+        san_aggregation(x, w, kernel_size=3)
+        out = san_aggregation(xg, w, kernel_size=3)
     out.sum().backward()
     assert len(checks) == before and xg.grad is not None
+    assert [call.grad for call in calls["san_aggregation"]] == [False, True]
     assert torch.equal(out, san_aggregation(x, w, kernel_size=3))
 
 

@@ -75,7 +75,8 @@ def _resolve(model: nn.Module, layers: Union[None, str, Sequence[str]]) -> Dict[
         name = next((c for c in candidates if c in found), None)
         if name is None:
             names = list(found)
-            short = "'BLOCK'" if names[0].startswith("blocks.") else "'STAGE.BLOCK'"  # a ViT's
+            short = "'BLOCK'" if ".blocks." in f".{names[0]}" and ".stages." not in (
+                f".{names[0]}") else "'STAGE.BLOCK'"  # a ViT's blocks, features_only's too
             raise ValueError(f"layers: {layer!r} is not an attention layer of "
                              f"{type(model).__name__}; accepted: {short} or a name, e.g. "
                              f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "

@@ -174,11 +174,13 @@ def _create_quest_vit(variant: str, pretrained: bool = False, **kwargs) -> Visio
     model_vit.patch_embed.register_forward_pre_hook(_check_input)
     size = model_vit.patch_embed.img_size
     if size is not None and tuple(size) != tuple(model.pretrained_cfg['input_size'][1:]):
-        # built for another size (img_size=): the only one it takes, so its data config's too
-        # (timm's ViTs keep the tag's; export, bench, publish and validate.py read it)
+        # built for another size (img_size=): the one its position embedding is learned for
+        # (the only one it takes, unless dynamic_img_size), so its data config's too; timm's
+        # ViTs keep the tag's, and export, bench, publish and validate.py read it
         cfg = {**model.pretrained_cfg,
                'input_size': (model.pretrained_cfg['input_size'][0], *size)}
-        model.pretrained_cfg = model.default_cfg = model_vit.pretrained_cfg = cfg
+        for holder in {id(model): model, id(model_vit): model_vit}.values():
+            holder.pretrained_cfg = holder.default_cfg = cfg
     return model
 
 
