@@ -188,6 +188,10 @@ def test_layer_names():
     with pytest.raises(ValueError, match="has no attnzoo attention layer"):
         attention_maps(torch.nn.Linear(3, 3), x)
     assert not any(m._forward_hooks for m in model.modules())
+    vit = quest_vit()  # blocks, no stages: the short form is BLOCK
+    with pytest.raises(ValueError, match=r"'99' is not an attention layer of VisionTransformer; "
+                                         r"accepted: 'BLOCK' or a name, e\.g\. blocks\.0\.attn"):
+        attention_maps(vit, torch.randn(1, 3, *vit.pretrained_cfg["input_size"][1:]), "99")
 
 
 def test_maps_follow_the_model_backend_and_do_not_need_grad():

@@ -75,8 +75,9 @@ def _resolve(model: nn.Module, layers: Union[None, str, Sequence[str]]) -> Dict[
         name = next((c for c in candidates if c in found), None)
         if name is None:
             names = list(found)
-            short = "'BLOCK'" if ".blocks." in f".{names[0]}" and ".stages." not in (
-                f".{names[0]}") else "'STAGE.BLOCK'"  # a ViT's blocks, features_only's too
+            first = f".{names[0]}"  # a ViT's blocks (features_only's too) have no stage
+            short = "'BLOCK'" if ".blocks." in first and ".stages." not in first else (
+                "'STAGE.BLOCK'")
             raise ValueError(f"layers: {layer!r} is not an attention layer of "
                              f"{type(model).__name__}; accepted: {short} or a name, e.g. "
                              f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "

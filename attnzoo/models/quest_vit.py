@@ -179,7 +179,7 @@ def _create_quest_vit(variant: str, pretrained: bool = False, **kwargs) -> Visio
         # ViTs keep the tag's, and export, bench, publish and validate.py read it
         cfg = {**model.pretrained_cfg,
                'input_size': (model.pretrained_cfg['input_size'][0], *size)}
-        for holder in {id(model): model, id(model_vit): model_vit}.values():
+        for holder in {model, model_vit}:
             holder.pretrained_cfg = holder.default_cfg = cfg
     return model
 
