@@ -41,7 +41,7 @@ import statistics
 import sys
 import textwrap
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -231,9 +231,7 @@ def _cmd_bench(args, parser) -> int:
         parser.error(f"cannot build {args.model}: {_one_line(e)}")
     model = model.to(device=device, dtype=dtype)
     model.train(args.backward)
-    # the model's own size (a fixed-size model's may not be square), or --img-size's square
-    hw = tuple(model.pretrained_cfg["input_size"][1:]) if args.img_size is None else (
-        args.img_size,) * 2
+    hw = _input_hw(model.pretrained_cfg, args.img_size)
     size = "x".join(map(str, hw))
     shape = hub.input_shape(model, (3, *hw))  # the stem's channels
     x = torch.randn(args.batch_size, *shape, device=device, dtype=dtype)
@@ -280,6 +278,12 @@ def _missing(path: str) -> str:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _input_hw(cfg, img_size: Optional[int]) -> Tuple[int, int]:
+    """``(H, W)`` of a command's input: ``--img-size``'s square, else the model's own size (a
+    fixed-size model's may not be square)."""
+    return tuple(cfg["input_size"][1:]) if img_size is None else (img_size, img_size)
 
 
 def _check_new_file(parser, path: str, force: bool) -> None:
@@ -456,8 +460,7 @@ def _cmd_export(args, parser) -> int:
     refusal = hub.dynamic_size_refusal(cfg)
     if args.dynamic_size and refusal:
         parser.error(f"--dynamic-size: {args.model} cannot export with a dynamic size: {refusal}")
-    # the model's own size (a fixed-size model's may not be square), or --img-size's square
-    hw = tuple(cfg["input_size"][1:]) if args.img_size is None else (args.img_size,) * 2
+    hw = _input_hw(cfg, args.img_size)
     if refusal and hw != tuple(cfg["input_size"][1:]):
         parser.error(f"--img-size {args.img_size}: {args.model}: {refusal}")
     size = "x".join(map(str, hw))
@@ -591,8 +594,7 @@ def _cmd_attention(args, parser) -> int:
         parser.error(f"{args.model} takes {channels}-channel images; attention draws over an "
                      "RGB image, for a 3-channel model")
     cfg = model.pretrained_cfg
-    # the model's own size (a fixed-size model's may not be square), or --img-size's square
-    in_h, in_w = tuple(cfg["input_size"][1:]) if args.img_size is None else (args.img_size,) * 2
+    in_h, in_w = _input_hw(cfg, args.img_size)
     resized = image.resize((in_w, in_h), Image.BILINEAR).tobytes()
     pixels = torch.frombuffer(bytearray(resized), dtype=torch.uint8).reshape(in_h, in_w, 3) / 255
     mean, std = (torch.tensor(cfg.get(key, default)) for key, default in (

@@ -166,10 +166,7 @@ def _convert(model_name: str, checkpoint: Any, model: Optional[torch.nn.Module] 
     import timm
     if model is None:
         model = timm.create_model(model_name, pretrained=False, device="meta", **model_kwargs)
-        grid = {} if "img_size" in model_kwargs else grid_args(model, checkpoint)
-        if grid:  # the grid it was trained at: the filter would resample it to the default's
-            model = timm.create_model(model_name, pretrained=False, device="meta",
-                                      **model_kwargs, **grid)
+        model = _at_trained_grid(model_name, model, checkpoint, model_kwargs)
     state_dict = _family_module(model_name).checkpoint_filter_fn(checkpoint, model)
     return {k: v.contiguous() for k, v in state_dict.items()}
 
@@ -207,6 +204,19 @@ def grid_args(model: torch.nn.Module, checkpoint: Any) -> Dict[str, Tuple[int, i
     if side < 1 or side * side != tokens or (side, side) == tuple(embed.grid_size):
         return {}
     return {"img_size": (side * embed.patch_size[0], side * embed.patch_size[1])}
+
+
+def _at_trained_grid(model_name: str, model: torch.nn.Module, checkpoint: Any,
+                     kwargs: Dict[str, Any]) -> torch.nn.Module:
+    """``model`` (on the meta device), rebuilt at the grid ``checkpoint`` was trained at where
+    :func:`grid_args` finds one and ``kwargs`` gives no ``img_size`` (``kwargs`` then takes it):
+    before the conversion, whose filter would resample the position embedding."""
+    import timm
+    grid = {} if "img_size" in kwargs else grid_args(model, checkpoint)
+    if not grid:
+        return model
+    kwargs.update(grid)
+    return timm.create_model(model_name, pretrained=False, device="meta", **kwargs)
 
 
 def load_official(model_name: str, path: PathLike, **model_kwargs) -> Dict[str, torch.Tensor]:
@@ -380,10 +390,7 @@ def load_checkpoint_model(model_name: str, path: PathLike, use_ema: bool = False
         model = timm.create_model(model_name, device="meta", **kwargs)
     except TypeError as e:  # an argument the model does not take
         raise ValueError(f"{name}: {model_name} cannot be built with {kwargs}: {e}") from None
-    grid = {} if "img_size" in kwargs else grid_args(model, checkpoint)
-    if grid:  # before the conversion, whose filter would resample the position embedding
-        kwargs.update(grid)
-        model = timm.create_model(model_name, device="meta", **kwargs)
+    model = _at_trained_grid(model_name, model, checkpoint, kwargs)
     state_dict = _convert(model_name, checkpoint, model)
     inferred = {k: v for k, v in head_and_stem_args(model.pretrained_cfg, state_dict).items()
                 if k not in kwargs}

@@ -69,7 +69,7 @@ def _check_map(fn: str, name: str, t: object) -> torch.Tensor:
                          f"{tuple(t.shape)}")
     if not t.is_floating_point():
         raise TypeError(f"{fn}: {name} must be a floating-point tensor, got {t.dtype}")
-    if t.numel() == 0 and 0 in t.shape[1:]:  # (numel first: a cheaper test, on every call)
+    if 0 in t.shape[1:]:
         raise ValueError(f"{fn}: only the batch of {name} may be empty (C, H, W >= 1), got shape "
                          f"{tuple(t.shape)}")
     return t
@@ -578,11 +578,8 @@ def _checked(fn: str, check, options: tuple, *tensors: torch.Tensor):
     """``check()`` once per call metadata (:func:`attnzoo.backends.checked_once`): the op's
     name, its ``options`` (kernel_size, dilation, stride, padding_mode) and its tensors'."""
     key = backends.tensors_key(*tensors)
-    if key is not None and all(map(_exact, options[:3])) and type(options[3]) is str:
-        key = (fn, *options, key)
-    else:
-        key = None
-    return backends.checked_once(key, check)
+    exact = key is not None and all(map(_exact, options[:3])) and type(options[3]) is str
+    return backends.checked_once((fn, *options, key) if exact else None, check)
 
 
 def _dispatch(fn: str, checked, backend: Optional[str], *tensors: torch.Tensor) -> torch.Tensor:
