@@ -57,6 +57,7 @@ import ast
 import contextlib
 import functools
 import hashlib
+import inspect
 import io
 import json
 import logging
@@ -74,7 +75,8 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
            "Autotuner", "Verification", "records", "record_files", "verified", "unverified",
-           "launch_on_device", "capture_launches", "capturing", "kernel_op", "eager", "can_tune",
+           "launch_on_device", "capture_launches", "capturing", "kernel_op", "KernelOp",
+           "inductor_launches", "traced", "eager", "can_tune",
            "will_tune", "TuningStore", "tuning_cache_path", "tuning_scope", "allocation",
            "kernels_digest", "source_digest", "INT32_MAX", "wide_offsets", "narrow_offsets",
            "joined"]
@@ -291,18 +293,114 @@ def capturing(*tensors: torch.Tensor) -> bool:
 
 
 def kernel_op(name: str, impl: Callable[..., Any], schema: str,
-              fake: Callable[..., Any]) -> Any:
+              fake: Callable[..., Any], tuned: bool = False) -> Any:
     """``impl`` (host code that launches kernels) as the custom op ``attnzoo::name`` of
     ``schema``, mutating nothing: torch.compile and torch.fx see one opaque call, never the host
     code. ``fake`` gives its outputs' shapes to a trace; while launches are captured on plain
-    meta tensors (:func:`capturing`), ``impl`` itself runs there."""
+    meta tensors (:func:`capturing`), ``impl`` itself runs there. On torch >= 2.6 (unless
+    ``ATTNZOO_INDUCTOR_LAUNCHES=0`` at import), a :class:`KernelOp` around it instead, which
+    torch.compile traces into. ``tuned``: ``impl`` autotunes its launches (:class:`Autotuner`),
+    which a trace does on real tensors of the call's sizes (:func:`tune_for_trace`)."""
     op = torch.library.custom_op(f"attnzoo::{name}", impl, mutates_args=(), schema=schema)
 
     @op.register_fake
     def _(*args, **kwargs):
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         return (impl if capturing(*tensors) else fake)(*args, **kwargs)
-    return op
+    if not inductor_launches():
+        return op
+
+    def traceable(*args):
+        # Inductor launches kernels on CUDA tensors only (CPU: the interpreter's), and the host
+        # code keys its plans by static sizes: with symbolic ones (torch.compile's
+        # recompilation for another batch size), the opaque op
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if tensors[0].device.type in _INDUCTOR_DEVICES and _static(tensors):
+            if tuned and traced(tensors[0]):
+                tune_for_trace(impl, args)
+            return impl(*args)
+        return op(*args)
+    traceable.__signature__ = inspect.signature(impl)
+    inductor = torch.library.triton_op(f"attnzoo::{name}_inductor", traceable, mutates_args=(),
+                                       schema=schema)
+    return KernelOp(op, inductor)
+
+
+class KernelOp:
+    """A family's pass as torch.compile sees it on torch >= 2.6: the ``torch.library.triton_op``
+    ``attnzoo::name_inductor``, whose host code AOTAutograd runs on the trace's fake
+    tensors, so that each launch (:func:`launch_on_device`, through ``wrap_triton``) reaches
+    Inductor as a kernel call of its own, which the compiled model launches from Inductor's
+    wrapper without attnzoo's Python. ``opaque``: the custom op of :func:`kernel_op`, which a
+    call with symbolic sizes takes."""
+    __slots__ = ("opaque", "traceable")
+
+    def __init__(self, opaque, traceable):
+        self.opaque, self.traceable = opaque, traceable
+
+    def __call__(self, *args):
+        return self.traceable(*args)
+
+    def register_autograd(self, backward, *, setup_context) -> None:
+        for op in (self.opaque, self.traceable):
+            op.register_autograd(backward, setup_context=setup_context)
+
+
+def tune_for_trace(impl: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Where a trace's call would be tuned at run time (:func:`will_tune`), tune it now: run
+    ``impl`` once on real tensors of the traced ones' sizes, strides and dtypes (random
+    values; outside every trace mode), so that the trace's plans take the tuned choice (and
+    the store keeps it), as Inductor times its own kernels' configurations while it compiles.
+    A key tuned before (this process, or the store) times nothing."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    device = torch.device(_TUNING_DEVICE or tensors[0].device)
+    if not will_tune(tensors[0].device) or torch.cuda.is_current_stream_capturing():
+        return
+    global _tuning_for_trace
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes(), torch.no_grad():
+        real = [_random_like(a, device) if isinstance(a, torch.Tensor) else a for a in args]
+        _tuning_for_trace, previous = True, _tuning_for_trace
+        try:
+            impl(*real)
+        finally:
+            _tuning_for_trace = previous
+
+
+_INDUCTOR_DEVICES = ("cuda",)  # (tests/inductor_launches.py adds meta: autograd on no GPU)
+_tuning_for_trace = False
+_TUNING_DEVICE: Optional[str] = None  # tests: the device of those real tensors (a simulated GPU)
+
+
+def _random_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor of ``t``'s sizes, strides (overlapping ones too: a view of one filled
+    buffer) and dtype on ``device``."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    base = torch.empty(extent, dtype=t.dtype, device=device)
+    base = base.normal_() if base.is_floating_point() else base.zero_()
+    return base.as_strided(t.shape, t.stride())
+
+
+def _static(tensors) -> bool:
+    return not any(isinstance(n, torch.SymInt) for t in tensors for n in (*t.shape, *t.stride()))
+
+
+_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
+_INDUCTOR_LAUNCHES = os.environ.get("ATTNZOO_INDUCTOR_LAUNCHES", "1") != "0"
+
+
+def inductor_launches() -> bool:
+    """Whether torch.compile traces into the kernels' host code, so that Inductor launches
+    them (:class:`KernelOp`): torch >= 2.6 (``torch.library.triton_op``), unless
+    ``ATTNZOO_INDUCTOR_LAUNCHES=0`` was set when attnzoo was imported. Otherwise each pass is
+    one opaque custom op, whose host code runs at every call."""
+    return _INDUCTOR_LAUNCHES and _TRITON_OP
+
+
+def traced(tensor: torch.Tensor) -> bool:
+    """``tensor`` is a trace's (a fake or functional tensor), or a meta tensor while no launch
+    is captured: a launch on it is no launch (:func:`launch_on_device`) and no timing."""
+    return type(tensor) not in _PLAIN or tensor.device.type == "meta" and _captured is None
 
 
 def eager(tensor: torch.Tensor) -> bool:
@@ -360,6 +458,10 @@ def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
     if _captured is not None:
         _captured.append((kernel, grid, args, kwargs) if _captured_args else
                          (kernel, grid, (), {}))
+        return None
+    if traced(args[0]):  # a traceable op's host code in a trace (KernelOp): Inductor's launch
+        if not warmup and type(args[0]) not in _PLAIN:
+            torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         return None
     device = args[0].device
     guard = device.type == "cuda" and device.index != torch.cuda.current_device()
@@ -686,7 +788,7 @@ def can_tune(device: torch.device) -> bool:
     """Whether launches on ``device`` may be timed now (see :class:`Autotuner`): as
     :func:`will_tune`, and neither tracing (torch.compile) nor capturing a CUDA graph;
     ``ATTNZOO_AUTOTUNE=0`` turns tuning off (each launch takes its default configuration)."""
-    return (will_tune(device) and not torch.compiler.is_compiling()
+    return (will_tune(device) and (_tuning_for_trace or not torch.compiler.is_compiling())
             and not torch.cuda.is_current_stream_capturing())
 
 

@@ -38,7 +38,7 @@ from torch.autograd import forward_ad
 
 from . import (Allocation, Autotuner, KernelLimits, TuningStore, allocation, can_tune,
                device_info, eager, kernel_op, launch_on_device, narrow_offsets,
-               once_differentiable, tiling, tuning_scope, will_tune)
+               once_differentiable, tiling, traced, tuning_scope, will_tune)
 from .tiling import (LOG2E, Tiling, dot, dot_precision, grid_tiles, group_length, load_rows,
                      na_query_region, na_tile_region, na_window_start, online_softmax_step, pow2,
                      program_tile, rank_tilings, region_block, round_to, store_rows,
@@ -148,6 +148,7 @@ def _na_fwd_kernel(
         KH: tl.constexpr, KW: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
         BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_RPB: tl.constexpr,
         NREL: tl.constexpr, PRECISION: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # (fp64 where Inductor launches the kernel)
     bh, b, h, gy, gx, LY, LX, ty0, tx0, qy, qx, valid_q, y, x = _program(
         heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
     q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
@@ -207,6 +208,7 @@ def _na_bwd_dq_kernel(
         BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_RPB: tl.constexpr,
         NREL: tl.constexpr, PRECISION: tl.constexpr, RY: tl.constexpr, CX: tl.constexpr,
         R: tl.constexpr, RPB_GRAD: tl.constexpr):
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # (as fwd)
     bh, b, h, gy, gx, LY, LX, ty0, tx0, qy, qx, valid_q, y, x = _program(
         heads, H, W, DIL_Y, DIL_X, tiles_y, tiles_x, TH, TW)
     q = load_rows(Q + b * sqb + h * sqh, y, x, sqy, sqx, sqd, valid_q, D, BD)
@@ -257,6 +259,7 @@ def _na_bwd_dkdv_kernel(
     after them sum the dq pass's per-program rpb tables (``PARTIAL``) into ``DRPB``: the
     reduction rides this launch instead of two more (a sum, a cast); dq's launch, before this
     one on the stream, has written every table."""
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # (as fwd)
     if tl.program_id(0) >= n_tiles:
         if RPB_SUM:
             sum_tables(PARTIAL, DRPB, tl.program_id(0) - n_tiles, heads, batch, partial_rows,
@@ -583,7 +586,7 @@ def _plan(kernel, plans, q, v, kernel_size, dilation, has_rpb, config, run) -> _
         space = configs(kernel, (H, W), kernel_size, dilation, (D, v.shape[-1]), q.dtype, limit)
         tune_key = (kernel, (H, W), kernel_size, dilation, D, v.shape[-1], q.dtype, precision,
                     has_rpb, str(q.device))
-        tune = can_tune(q.device)
+        tune = not traced(q) and can_tune(q.device)
         config = _TUNER.choose(tune_key, space,
                                lambda c, warmup=False: run(plan_of(c), warmup), tune,
                                tuning_scope(q.device) if tune else "", device=q.device)
@@ -701,7 +704,7 @@ _na_op = kernel_op(
     "na_fused", _na_impl,
     "(Tensor q, Tensor k, Tensor v, Tensor? rpb, int[] kernel_size, int[] dilation, float scale, "
     "int[] config) -> (Tensor, Tensor)",
-    lambda q, k, v, *_: _forward_outputs(q, _output_shapes(q.shape, v.shape[-1])))
+    lambda q, k, v, *_: _forward_outputs(q, _output_shapes(q.shape, v.shape[-1])), tuned=True)
 
 
 def _na_backward_impl(do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, rpb_grad,
@@ -716,7 +719,7 @@ _na_backward_op = kernel_op(
     "int[] kernel_size, int[] dilation, float scale, bool rpb_grad, bool kv_grad, int[] config) "
     "-> (Tensor, Tensor, Tensor, Tensor)",
     lambda do, q, k, v, rpb, o, lse, kernel_size, dilation, scale, rpb_grad, kv_grad, config:
-    _backward_outputs(q, k, v, rpb, rpb_grad, kv_grad))
+    _backward_outputs(q, k, v, rpb, rpb_grad, kv_grad), tuned=True)
 
 
 def _config(ints) -> Optional[Config]:
