@@ -122,17 +122,25 @@ class use_backend(contextlib.ContextDecorator):
 
     def __init__(self, name: str):
         self.name = _check_name(name)
-        self._previous: List[Optional[str]] = []  # a stack: the same object may be re-entered
+        # what each entry replaced: a stack per thread (the same object may be re-entered, and
+        # entered by several threads at once: a module-level one)
+        self._previous = threading.local()
         self._used = False
+
+    def _stack(self) -> List[Optional[str]]:
+        stack = getattr(self._previous, "stack", None)
+        if stack is None:
+            stack = self._previous.stack = []
+        return stack
 
     def __enter__(self) -> str:
         self._used = True
-        self._previous.append(getattr(_context, "backend", None))
+        self._stack().append(getattr(_context, "backend", None))
         _context.backend = self.name
         return self.name
 
     def __exit__(self, *exc) -> None:
-        _context.backend = self._previous.pop()
+        _context.backend = self._stack().pop()
 
     def __call__(self, func):
         self._used = True

@@ -144,6 +144,32 @@ def test_use_backend_as_block_and_decorator_restores_on_exit(recwarn):
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
+def test_one_use_backend_entered_by_two_threads_restores_each_its_own():
+    """A module-level ``use_backend`` object entered by two threads at once: each exit restores
+    what that thread had (one stack for both handed a thread the other's backend)."""
+    import threading
+    shared = attnzoo.use_backend("torch")
+    entered, leave, seen = threading.Event(), threading.Event(), {}
+
+    def worker():
+        with shared:
+            entered.set()
+            leave.wait(5)
+        seen["worker"] = attnzoo.get_backend()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    entered.wait(5)
+    with attnzoo.use_backend("natten"):
+        with shared:
+            leave.set()
+            thread.join(5)
+            assert attnzoo.get_backend() == "torch"
+        seen["main"] = attnzoo.get_backend()
+    assert seen == {"worker": "auto", "main": "natten"}
+    assert attnzoo.get_backend() == "auto"
+
+
 # ---------------------------------------------------------------------------------------------
 # empty batches
 # ---------------------------------------------------------------------------------------------

@@ -378,6 +378,38 @@ def test_natten_rejects_non_power_of_two_head_dim_on_cpu(natten_fused):
         na2d(q, k, v, kernel_size=3, backend="natten")
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_natten_cpu_support_names_the_head_dims_its_path_lacks(natten_fused):
+    """NATTEN 0.21's CPU path finds no backend for a head dim below 8 or a v head dim other
+    than q's: the support check says so (it had said yes, then NATTEN's own message said only
+    that it found no backend), and other backends' refusals do not offer natten."""
+    for q_dim, v_dim, reason in ((4, 4, "head_dim >= 8, got 4"), (16, 8, "equal to q's")):
+        q, k, _ = _f32((1, 8, 8, 2, q_dim))
+        v = _f32((1, 8, 8, 2, v_dim))[2]
+        with pytest.raises(BackendUnsupportedError, match=reason):
+            na2d(q, k, v, kernel_size=3, backend="natten")
+        assert "natten" not in nbh.backends.supported_backends(
+            "na2d", nbh.NACall(2, "cpu", torch.float32, q_dim, False, False, (3, 3), v_dim))
+    q, k, v = _f32((1, 8, 8, 2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(na2d(q, k, v, kernel_size=3, backend="natten"),
+                                   na2d(q, k, v, kernel_size=3, backend="torch"),
+                                   atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_natten_honours_a_zero_scale(natten_fused):
+    """``scale=0`` (every key of a window weighs the same): NATTEN reads a scale of 0 as its
+    default, head_dim ** -0.5, so the backend hands it the same zero logits another way."""
+    q, k, v = _f32((1, 8, 8, 2, 16))
+    with torch.no_grad():
+        for zero in (0.0, -0.0, 0):
+            got = na2d(q, k, v, kernel_size=3, scale=zero, backend="natten")
+            torch.testing.assert_close(got, na2d(q, k, v, kernel_size=3, scale=zero,
+                                                 backend="torch"), atol=2e-5, rtol=2e-5)
+        assert (na2d(q, k, v, kernel_size=3, backend="natten") - got).abs().max() > 0.1
+
+
 @pytest.fixture
 def natten_missing(monkeypatch):
     # A None entry in sys.modules makes `import natten` raise ImportError (probed afresh: the
@@ -442,7 +474,8 @@ def test_shape_and_argument_errors():
             na2d(q, k, v, kernel_size=bad)
     with pytest.raises(TypeError, match="^na2d: dilation"):
         na2d(q, k, v, kernel_size=3, dilation=1.5)
-    for bad in (float("nan"), float("inf")):
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        na2d(q, k, v, kernel_size=3, scale=0.5)  # a finite scale's call first: a warm key
         with pytest.raises(ValueError, match="^na2d: scale must be finite"):
             na2d(q, k, v, kernel_size=3, scale=bad)
     # NumPy's integers are ints

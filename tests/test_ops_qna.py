@@ -299,3 +299,24 @@ def test_benchmark_examples_run():
         assert examples['head dim 256 1x28x28 h2 k7']('torch').shape == (1, 28, 28, 2, 256)
         assert examples['qna_vit_tiny s2 8x14x14 h32 k3']('torch').shape == (8, 14, 14, 32, 8)
         assert examples['qna_vit_tiny down2 8x14x14 h64 k3 s2']('auto').shape == (8, 7, 7, 64, 8)
+
+
+def test_window_positions_are_each_window_s_keys_and_its_arguments_are_checked():
+    """``qna_window_positions``: output pixel (i, j) of stride s reads the k x k keys centred
+    on input (i s, j s), row-major (written out here); bad sizes are refused as qna2d refuses
+    them (they had given a silent wrong shape, or torch's and Python's own errors)."""
+    from attnzoo.ops import qna_window_positions
+    got = qna_window_positions(5, 4, kernel_size=3, stride=2)
+    want = torch.tensor([[[(i * 2 + dy - 1, j * 2 + dx - 1) for dy in range(3) for dx in range(3)]
+                          for j in range(2)] for i in range(3)])
+    assert torch.equal(got, want)
+    for kwargs, error, message in (
+            (dict(kernel_size=4), ValueError, "kernel_size must be an odd int >= 1, got 4"),
+            (dict(kernel_size=-1), ValueError, "kernel_size must be an odd int >= 1, got -1"),
+            (dict(kernel_size=3, stride=0), ValueError, "stride must be an int >= 1, got 0"),
+            (dict(kernel_size=3.0), TypeError, "kernel_size must be an int, got 3.0"),
+            (dict(kernel_size=True), TypeError, "kernel_size must be an int, got True")):
+        with pytest.raises(error, match=f"^qna_window_positions: {re.escape(message)}$"):
+            qna_window_positions(5, 5, **kwargs)
+    with pytest.raises(ValueError, match="^qna_window_positions: H must be an int >= 1"):
+        qna_window_positions(0, 5, kernel_size=3)

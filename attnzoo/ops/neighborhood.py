@@ -707,12 +707,16 @@ def _natten_support(call: NACall) -> Optional[str]:
     if limit is not None:
         return limit
     if _device_type(call) == "cpu":
-        # NATTEN >= 0.20 on CPU runs PyTorch's unfused FlexAttention: forward only, and the
-        # head dim must be a power of two.
+        # NATTEN >= 0.20 on CPU runs PyTorch's unfused FlexAttention: forward only, one
+        # power-of-two head dim >= 8 for q, k and v (NATTEN 0.21 finds no CPU backend else).
         if call.grad:
             return "NATTEN's CPU path has no backward (inputs require grad)"
-        if call.head_dim & (call.head_dim - 1):
-            return f"NATTEN's CPU path needs a power-of-two head_dim, got {call.head_dim}"
+        if call.head_dim & (call.head_dim - 1) or call.head_dim < 8:
+            return (f"NATTEN's CPU path needs a power-of-two head_dim >= 8, got "
+                    f"{call.head_dim}")
+        if call.v_dim not in (0, call.head_dim):
+            return (f"NATTEN's CPU path needs v's head dim equal to q's, got {call.v_dim} and "
+                    f"{call.head_dim}")
     elif _device_type(call) != "cuda":
         return f"NATTEN runs on CPU and CUDA tensors, not {_device_type(call)}"
     return None
@@ -726,12 +730,14 @@ def _na_natten(q, k, v, kernel_size, dilation, rpb, scale, qkv=None):
     if api == "fused":
         if not torch.is_grad_enabled():  # NATTEN refuses inputs that require grad on CPU
             q, k, v = q.detach(), k.detach(), v.detach()
+        if scale == 0:  # NATTEN reads a scale of 0 as "the default": the same zero logits
+            q, scale = q * 0, 1.0
         try:
             return getattr(module, f"na{n}d")(q, k, v, kernel_size=ks, dilation=dil, scale=scale)
         except NotImplementedError as e:
             raise backends.BackendUnsupportedError(
-                f"backend 'natten' cannot run na{n}d here: {e}. Backends that can: 'torch', "
-                "'auto'.") from e
+                f"backend 'natten' cannot run na{n}d here: {str(e).rstrip('.')}. Backends that "
+                "can: 'torch', 'auto'.") from e
     # NATTEN <= 0.17.5: unfused QK (+RPB) / AV on heads-first [B, heads, *spatial, d] tensors.
     to_heads_first = lambda t: t.movedim(-2, 1)  # noqa: E731
     attn = getattr(module, f"na{n}d_qk")(to_heads_first(q) * scale, to_heads_first(k), ks, dil,
@@ -877,7 +883,9 @@ def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, qkv):
     tensors = backends.tensors_key(qkv, rpb) if packed else backends.tensors_key(q, k, v, rpb)
     key = None
     if type(kernel_size) is int and type(dilation) is int and tensors is not None:
-        key = ("na", n, packed, kernel_size, dilation, type(scale), tensors)
+        # (a float scale's finiteness too: a NaN after a finite scale is still refused)
+        key = ("na", n, packed, kernel_size, dilation, type(scale),
+               type(scale) is not float or math.isfinite(scale), tensors)
     return backends.checked_once(key, check)
 
 

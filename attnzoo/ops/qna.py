@@ -563,11 +563,11 @@ backends.register_op(
 # public op
 # --------------------------------------------------------------------------------------------
 
-def _check_int(value, name: str, odd: bool = False) -> int:
+def _check_int(value, name: str, odd: bool = False, fn: str = "qna2d") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"qna2d: {name} must be an int, got {value!r}")
+        raise TypeError(f"{fn}: {name} must be an int, got {value!r}")
     if value < 1 or (odd and value % 2 == 0):
-        raise ValueError(f"qna2d: {name} must be {'an odd int' if odd else 'an int'} >= 1, "
+        raise ValueError(f"{fn}: {name} must be {'an odd int' if odd else 'an int'} >= 1, "
                          f"got {value}")
     return value
 
@@ -682,6 +682,9 @@ def qna_window_positions(H: int, W: int, *, kernel_size: int, stride: int = 1,
     """``[H_out, W_out, k*k, 2]`` int64: the ``(y, x)`` of each window's keys on the ``H x W``
     map, in :func:`qna2d_weights`' order; positions outside the map (a window at the border)
     are kept, with weight 0."""
+    for name, value in (("H", H), ("W", W), ("stride", stride)):
+        _check_int(value, name, fn="qna_window_positions")
+    _check_int(kernel_size, "kernel_size", odd=True, fn="qna_window_positions")
     k, r = kernel_size, (kernel_size - 1) // 2
     ys = torch.arange(_out_size(H, stride), device=device) * stride - r
     xs = torch.arange(_out_size(W, stride), device=device) * stride - r
