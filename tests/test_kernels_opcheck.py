@@ -197,9 +197,64 @@ def test_san_aggregation_fused_backward(layout, dtype, stride, padding_mode, nee
             (go, x, weight, *needs, *_footprint(stride, padding_mode)), backward_op=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# the triton_ops torch.compile traces into (torch >= 2.6: kernels.KernelOp), one case each
+# ---------------------------------------------------------------------------------------------
+
+def _first_case(op: str):
+    """The arguments of ``op``'s first case above (the backward ops' from a forward call)."""
+    q, k, v, bias, dil = _na_inputs(*NA_CASES[0].values, grad=not op.endswith("backward"))
+    if op == "na_fused":
+        return (q, k, v, bias, list(NA_K), dil, 0.5, [])
+    if op == "na_fused_backward":
+        o, lse = ops.na_fused(q, k, v, bias, list(NA_K), dil, 0.5, [])
+        return (_randn(*o.shape, seed=4), q, k, v, bias, o, lse, list(NA_K), dil, 0.5, True,
+                True, [])
+    qna_case = QNA_CASES[1].values
+    stride, sum_queries = qna_case[3:5]
+    if op == "qna_fused":
+        return (*_qna_inputs(*qna_case[:3], qna_case[5], grad=True), QNA_K, stride, sum_queries)
+    if op == "qna_fused_backward":
+        inputs = _qna_inputs(*qna_case[:3], qna_case[5], grad=False)
+        out, lse = ops.qna_fused(*inputs, QNA_K, stride, sum_queries)
+        return (_randn(*out.shape, seed=4), *inputs, lse, QNA_K, stride, sum_queries)
+    layout, dtype, stride, padding_mode = SAN_CASES[1].values
+    footprint = _footprint(stride, padding_mode)
+    Ho, Wo = _out_size(stride)
+    if op == "san_subtraction_fused":
+        return (laid_out(_randn(*SAN_SHAPE, dtype=dtype), layout, grad=True), None, *footprint)
+    if op == "san_subtraction_fused_backward":
+        return (_randn(SAN_SHAPE[0], SAN_SHAPE[1], 9, Ho * Wo, dtype=dtype), list(SAN_SHAPE),
+                True, *footprint)
+    x, weight = _aggregation_inputs(layout, dtype, stride, grad=op == "san_aggregation_fused")
+    if op == "san_aggregation_fused":
+        return (x, weight, *footprint)
+    return (_randn(SAN_SHAPE[0], SAN_SHAPE[1], Ho, Wo, dtype=dtype, seed=2), x, weight, True,
+            True, *footprint)
+
+
+INDUCTOR_OPS = ["na_fused", "na_fused_backward", "qna_fused", "qna_fused_backward",
+                "san_subtraction_fused", "san_subtraction_fused_backward",
+                "san_aggregation_fused", "san_aggregation_fused_backward"]
+
+
+@pytest.mark.skipif(not kernels.inductor_launches(),
+                    reason=f"torch {torch.__version__} has no torch.library.triton_op (>= 2.6)")
+@pytest.mark.parametrize("op", INDUCTOR_OPS)
+def test_inductor_op(op):
+    """``attnzoo::<op>_inductor``, the triton_op of each pass: its schema, fake (its host code,
+    which on CUDA tensors traces the launches; elsewhere, the opaque op's) and autograd as the
+    opaque op's are checked, on the first case above."""
+    opcheck(getattr(ops, f"{op}_inductor").default, _first_case(op),
+            backward_op=op.endswith("backward"))
+
+
 def test_every_kernel_op_is_checked_here():
     """A kernel op added to a family without a case here fails this: each op is named by a test
-    of this module."""
+    of this module (a triton_op, ``<op>_inductor``, by :func:`test_inductor_op`)."""
     registered = {name for name in dir(ops) if "fused" in name}
     tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
+    tested |= {f"{op}_inductor" for op in INDUCTOR_OPS}
     assert registered and registered <= tested, sorted(registered - tested)
+    assert {f"{op}_inductor" for op in INDUCTOR_OPS} <= registered or (
+        not kernels.inductor_launches())

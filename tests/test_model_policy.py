@@ -170,6 +170,64 @@ def test_bad_feature_indices_are_named_with_the_range_accepted(name):
 
 
 @pytest.mark.parametrize("name", SMALLEST)
+def test_feature_indices_take_numpy_ints_and_out_indices_come_in_order(name):
+    """timm's models take NumPy integers as indices; out_indices naming a stage twice or out of
+    order is refused (a features model returned each stage once, in the model's order, while
+    its feature_info listed them as given: an FPN built from it got other channels)."""
+    import numpy as np
+    n = len(timm.create_model(name, device="meta").feature_info)
+    model = timm.create_model(name, device="meta", features_only=True,
+                              out_indices=np.array([n - 2, n - 1]))
+    assert len(model.feature_info.channels()) == 2
+    timm.create_model(name, device="meta", features_only=True, out_indices=[np.int64(n - 1)])
+    for indices in ((n - 1, n - 2), (n - 1, n - 1), (n - 1, -1)):
+        with pytest.raises(ValueError, match=rf"^out_indices={re.escape(repr(indices))}: name "
+                                             rf"distinct (stages|blocks) in increasing order"):
+            timm.create_model(name, device="meta", features_only=True, out_indices=indices)
+    if family(name).token_output:
+        return  # timm's ViT: forward_intermediates is timm's own
+    model = timm.create_model(name).eval()
+    x = _input(model, batch=1)
+    with torch.no_grad():
+        assert len(model.forward_intermediates(x, indices=[np.int64(n - 1)],
+                                               intermediates_only=True)) == 1
+        with pytest.raises(ValueError, match="^output_fmt must be 'NCHW' or 'NHWC', got 'NLC'"):
+            model.forward_intermediates(x, output_fmt='NLC')
+
+
+@pytest.mark.parametrize("name", [n for n in SMALLEST if not family(n).token_output])
+@pytest.mark.parametrize("feature_cls", [None, "hook", "dict", "fx", "getter"])
+def test_a_features_model_checks_its_input_as_the_model_does(name, feature_cls):
+    """Every feature_cls runs the stem first, which checks the images: wrong channels, a
+    missing batch dimension, too small (timm's 'list', 'hook' and 'dict' wrappers call the
+    modules, not the model's forward: they had given torch's conv or layout errors, and SAN's
+    op an error about an inner map); and a SAN's minimum is that of the stages it runs, for
+    every feature_cls alike ('fx' had kept the whole model's)."""
+    kwargs = {} if feature_cls is None else dict(feature_cls=feature_cls)
+    full = timm.create_model(name)
+    model = timm.create_model(name, features_only=True, **kwargs).eval()
+    x = _input(full, batch=1)
+    with pytest.raises(ValueError, match="^the model was built with in_chans=3 but the input"):
+        model(x[:, :1])
+    with pytest.raises(ValueError, match="^expected a 4-D NCHW image batch"):
+        model(x[0])
+    if full.min_size > 1:  # SAN
+        small = x[..., :full.min_size - 1, :full.min_size - 1]
+        with pytest.raises(ValueError, match=f"^input images must be at least "
+                                             f"{full.min_size}x{full.min_size} pixels"):
+            model(small)
+        early = timm.create_model(name, features_only=True, out_indices=(0, 1, 2),
+                                  **kwargs).eval()
+        full.prune_intermediate_layers((0, 1, 2))
+        assert full.min_size < small.shape[-1]
+        with torch.no_grad():
+            outs = early(small)
+            outs = list(outs.values()) if isinstance(outs, dict) else outs
+            want = full.forward_intermediates(small, indices=(0, 1, 2), intermediates_only=True)
+        assert [o.shape for o in outs] == [w.shape for w in want]
+
+
+@pytest.mark.parametrize("name", SMALLEST)
 def test_an_empty_batch_gives_empty_outputs_forward_and_backward(name):
     """As timm's ResNet and ViT do: batch 0 in, batch 0 out (logits and unpooled features of
     batch 1's shapes), and a backward pass with gradients of the input's shape."""

@@ -4,6 +4,7 @@ unwrapping and checking, input checks, drop-path schedules."""
 from __future__ import annotations
 
 import argparse
+import numbers
 import os
 import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -217,24 +218,39 @@ def _check_build_args(variant: str, kwargs: Dict[str, Any]) -> None:
             raise ValueError(f"{variant}: {name} must be in [0, 1), got {rate}")
 
 
-def check_indices(argument: str, indices: Any, n: int, what: str = "stages") -> None:
+def check_indices(argument: str, indices: Any, n: int, what: str = "stages",
+                  increasing: bool = False) -> None:
     """``indices`` as timm's ``feature_take_indices`` takes them for ``n`` features (``None``:
-    all; an int: the last that many; a sequence: those, negative from the end), else a
-    ``ValueError`` / ``TypeError`` naming ``argument`` and what is accepted (timm's own
-    assertion gave a converted index, and a list index error said nothing)."""
+    all; an int: the last that many; a sequence or array of ints, NumPy's too: those, negative
+    from the end), else a ``ValueError`` / ``TypeError`` naming ``argument`` and what is
+    accepted (timm's own assertion gave a converted index, and a list index error said
+    nothing). ``increasing``: a sequence must name distinct features in increasing order
+    (``features_only``'s ``out_indices``: a feature wrapper returns them in the model's order,
+    once each, while its ``feature_info`` lists them as given)."""
     accepted = (f"accepted: None (all), an int from 1 to {n} (the last that many) or a "
                 f"sequence of ints from {-n} to {n - 1}, for the {n} {what}")
     if indices is None:
         return
-    if isinstance(indices, int) and not isinstance(indices, bool):
+    if _integral(indices):
         if not 1 <= indices <= n:
             raise ValueError(f"{argument}={indices}: {accepted}")
         return
+    if hasattr(indices, "tolist") and not isinstance(indices, torch.Tensor):  # NumPy arrays
+        indices = indices.tolist()
     if not isinstance(indices, Sequence) or isinstance(indices, str) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in indices):
+            _integral(i) for i in indices):
         raise TypeError(f"{argument}={indices!r}: {accepted}")
     if not indices or any(not -n <= i < n for i in indices):
         raise ValueError(f"{argument}={indices!r}: {accepted}")
+    positions = [i % n for i in indices]
+    if increasing and positions != sorted(set(positions)):
+        raise ValueError(f"{argument}={indices!r}: name distinct {what} in increasing order "
+                         f"(the features come out in the model's order, once each), e.g. "
+                         f"{sorted(set(positions))}")
+
+
+def _integral(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def unwrap_checkpoint(checkpoint: Dict[str, Any]) -> Dict[str, Any]:

@@ -19,7 +19,9 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, get_device_dtype
-from timm.models._features import feature_take_indices
+from timm.models._features import (FeatureDictNet, FeatureHookNet, FeatureListNet,
+                                   feature_take_indices)
+from timm.models._features_fx import FeatureGraphNet
 from timm.models._manipulate import checkpoint_seq
 
 from .. import backends
@@ -30,7 +32,23 @@ from ._helpers import build_model, check_image_input, check_indices
 # check reads the input's sizes
 torch.fx.wrap("check_image_input")
 
-__all__ = ["StagedModel", "Stage", "build_staged", "mlp_rows", "staged_cfg"]
+__all__ = ["StagedModel", "Stage", "ImageStem", "build_staged", "mlp_rows", "staged_cfg"]
+
+
+class ImageStem(nn.Module):
+    """Base of a model's stem, which checks the images it is given (:meth:`check`, first in
+    its ``forward``): every way into the model runs the stem first, timm's feature wrappers
+    too ('list', 'hook', 'dict' call the modules one by one, not the model's ``forward``).
+    The model sets the smallest side it takes (:meth:`StagedModel.set_min_size`)."""
+
+    def __init__(self, in_chans: int):
+        super().__init__()
+        self.in_chans = in_chans
+        self.min_size = 1
+        self.min_size_hint = ''
+
+    def check(self, x: torch.Tensor) -> torch.Tensor:
+        return check_image_input(x, self.in_chans, self.min_size, self.min_size_hint)
 
 
 class Stage(nn.Module):
@@ -77,11 +95,35 @@ def build_staged(model_cls: type, variant: str, pretrained: bool, num_stages: in
     """:func:`build_model` for a :class:`StagedModel` of ``num_stages`` stages: by default
     ``features_only`` returns every stage's output (``out_indices`` overrides)."""
     out_indices = kwargs.pop('out_indices', tuple(range(num_stages)))
+    feature_cfg = dict(flatten_sequential=True, out_indices=out_indices)
     if kwargs.get('features_only'):
-        check_indices('out_indices', out_indices, num_stages)
+        check_indices('out_indices', out_indices, num_stages, increasing=True)
+        feature_cls = kwargs.pop('feature_cls', 'list')
+        if isinstance(feature_cls, str) and feature_cls.lower() in _FEATURE_CLASSES:
+            feature_cls = _FEATURE_CLASSES[feature_cls.lower()]
+        feature_cfg['feature_cls'] = feature_cls
     return build_model(model_cls, variant, pretrained, filter_fn=filter_fn,
-                       feature_cfg=dict(flatten_sequential=True, out_indices=out_indices),
-                       **kwargs)
+                       feature_cfg=feature_cfg, **kwargs)
+
+
+def _using_stages(feature_cls: type) -> type:
+    """timm's feature wrapper ``feature_cls``, first telling the model which stages it will run
+    (:meth:`StagedModel.use_stages`: up to the last ``out_indices``), so that its stem checks
+    the minimum input of those (SAN's is smaller with fewer stages), as
+    ``prune_intermediate_layers`` does."""
+    def __init__(self, model, out_indices, **kwargs):
+        _, last = feature_take_indices(len(model.stages), out_indices)
+        model.use_stages(last + 1)
+        feature_cls.__init__(self, model, out_indices=out_indices, **kwargs)
+    name = f"Staged{feature_cls.__name__}"  # (a module global: a pickled model finds it)
+    cls = globals()[name] = type(name, (feature_cls,), dict(
+        __init__=__init__, __module__=__name__, __qualname__=name, __doc__=feature_cls.__doc__))
+    return cls
+
+
+_FEATURE_CLASSES = {name: _using_stages(cls) for name, cls in (
+    ('list', FeatureListNet), ('hook', FeatureHookNet), ('dict', FeatureDictNet),
+    ('fx', FeatureGraphNet))}
 
 
 def staged_cfg(**kwargs) -> Dict[str, Any]:
@@ -101,10 +143,10 @@ class StagedModel(nn.Module):
 
     A subclass builds its modules first, as locals (``nn.Module`` takes no attribute before
     its ``__init__``), then calls ``super().__init__`` with them; after that it sets only its own
-    attributes (its weight init, what its :meth:`stages_pruned` needs).
+    attributes (its weight init, what its :meth:`use_stages` needs).
 
     Args:
-        stem: image -> the first stage's input (NCHW).
+        stem: image -> the first stage's input (NCHW), an :class:`ImageStem`.
         stages: the stages in order, each a :class:`Stage` taking and returning NCHW maps;
             registered as the ``nn.Sequential`` ``stages``.
         norm: the final norm, sized for the last stage's output.
@@ -112,8 +154,8 @@ class StagedModel(nn.Module):
             (``'stages.{i}'``); the last ``num_chs`` is ``num_features``.
         in_chans: input image channels (checked on every forward).
         min_size: the smallest input side the architecture accepts (a subclass whose minimum
-            depends on its stages updates it in :meth:`stages_pruned`; a subclass whose
-            minimum an option lowers says so in ``min_size_hint``).
+            depends on its stages updates it in :meth:`use_stages`; a subclass whose minimum
+            an option lowers says so through :meth:`set_min_size`).
         num_classes: classifier outputs (0: no classifier, ``forward`` returns pooled features).
         global_pool: ``'avg'`` (the official models), any timm ``SelectAdaptivePool2d`` type, or
             ``''`` (no pooling).
@@ -137,14 +179,16 @@ class StagedModel(nn.Module):
             drop_rate: float,
     ):
         super().__init__()
+        if not isinstance(stem, ImageStem):
+            raise TypeError(f"stem must be an ImageStem (it checks the input), got "
+                            f"{type(stem).__name__}")
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.drop_rate = drop_rate
-        self.min_size = min_size
-        self.min_size_hint = ''  # ends the too-small-input message: how to lower the minimum
         self.output_fmt = 'NCHW'
         self.feature_info = feature_info
         self.stem = stem
+        self.set_min_size(min_size)
         self.stages = nn.Sequential(*stages)
         self.num_features = feature_info[-1]['num_chs']
         self.norm = norm
@@ -202,7 +246,8 @@ class StagedModel(nn.Module):
         Returns:
             intermediates, or (final features as forward_features, intermediates).
         """
-        assert output_fmt in ('NCHW', 'NHWC'), 'Output format must be NCHW or NHWC.'
+        if output_fmt not in ('NCHW', 'NHWC'):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
         intermediates = []
         if not torch.jit.is_scripting():
             check_indices('indices', indices, len(self.stages))
@@ -244,15 +289,22 @@ class StagedModel(nn.Module):
             self.num_features = self.feature_info[max_index]['num_chs']
         if prune_head or prune_end:
             self.reset_classifier(0, '')
-        self.stages_pruned()
+        self.use_stages(len(self.stages))
         return take_indices
 
-    def stages_pruned(self) -> None:
-        """Called at the end of :meth:`prune_intermediate_layers`: where the model's
-        minimum input depends on its stages, a subclass updates ``min_size`` here."""
+    def use_stages(self, n: int) -> None:
+        """Only the first ``n`` stages will run (:meth:`prune_intermediate_layers`, or a
+        feature wrapper that stops there): where the model's minimum input depends on its
+        stages, a subclass updates it here (:meth:`set_min_size`)."""
+
+    def set_min_size(self, min_size: int, hint: str = '') -> None:
+        """The smallest input side the model takes, and what ends the too-small-input message
+        (how to lower the minimum), checked by the stem."""
+        self.min_size = self.stem.min_size = min_size
+        self.min_size_hint = self.stem.min_size_hint = hint
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
-        x = check_image_input(x, self.in_chans, self.min_size, self.min_size_hint)
+        """(The stem checks the images; see there.)"""
         if not torch.jit.is_scripting():  # alone in its test: TorchScript 2.4 skips only that
             if torch.compiler.is_compiling() and torch.is_grad_enabled() and (
                     not backends.exporting()):

@@ -50,7 +50,7 @@ from ..layers import NeighborhoodAttention2d
 from ._helpers import (check_attn_drop_rate, check_state_dict, per_stage, rename_key,
                        replace_prefix, unwrap_checkpoint)
 from ._registry import register_model
-from ._staged import Stage, StagedModel, build_staged, mlp_rows, staged_cfg
+from ._staged import ImageStem, Stage, StagedModel, build_staged, mlp_rows, staged_cfg
 from ._weights import hub_weights
 
 __all__ = ["NAT", "checkpoint_filter_fn"]
@@ -59,13 +59,13 @@ __all__ = ["NAT", "checkpoint_filter_fn"]
 _LN_EPS = 1e-5
 
 
-class Stem(nn.Module):
+class Stem(ImageStem):
     """Two overlapping 3x3 stride-2 convs (no activation between), LayerNorm; NCHW out (with
     channels-last strides)."""
 
     def __init__(self, in_chans: int = 3, embed_dim: int = 64, device=None, dtype=None):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
+        super().__init__(in_chans)
         self.conv1 = nn.Conv2d(in_chans, embed_dim // 2, 3, stride=2, padding=1, **dd)
         self.conv2 = nn.Conv2d(embed_dim // 2, embed_dim, 3, stride=2, padding=1, **dd)
         self.norm = LayerNorm2d(embed_dim, eps=_LN_EPS, **dd)
@@ -73,7 +73,7 @@ class Stem(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The blocks work on NHWC anyway; these two convs train ~1.5x faster channels-last on
         # CPU (oneDNN), measured at nat_tiny's shapes.
-        x = x.contiguous(memory_format=torch.channels_last)
+        x = self.check(x).contiguous(memory_format=torch.channels_last)
         return self.norm(self.conv2(self.conv1(x)))
 
 

@@ -60,7 +60,7 @@ from ..layers import LocalSelfAttention, QnA
 from ..layers.quest import check_attn_norm
 from ._helpers import check_attn_drop_rate, check_state_dict, per_stage, unwrap_checkpoint
 from ._registry import register_model
-from ._staged import Stage, StagedModel, build_staged, mlp_rows, staged_cfg
+from ._staged import ImageStem, Stage, StagedModel, build_staged, mlp_rows, staged_cfg
 from ._weights import hub_weights
 
 __all__ = ["QnAViT", "checkpoint_filter_fn", "read_checkpoint"]
@@ -90,19 +90,19 @@ def pad_same(x: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x
 
 
-class Stem(nn.Module):
+class Stem(ImageStem):
     """The official stem: a 4x4 stride-4 convolution, no bias, ``'SAME'`` padding (none at
     multiples of 4), no norm; NCHW in and out."""
 
     def __init__(self, in_chans: int = 3, embed_dim: int = 64, patch_size: int = 4, device=None,
                  dtype=None):
-        super().__init__()
+        super().__init__(in_chans)
         self.patch_size = patch_size
         self.conv = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size, bias=False,
                               device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(pad_same(x, self.patch_size))
+        return self.conv(pad_same(self.check(x), self.patch_size))
 
 
 class Block(nn.Module):

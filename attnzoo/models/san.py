@@ -44,23 +44,23 @@ from ..layers import SAM
 from ._helpers import (check_attn_drop_rate, check_state_dict, per_stage, rename_key,
                        unwrap_checkpoint)
 from ._registry import register_model
-from ._staged import Stage, StagedModel, build_staged, staged_cfg
+from ._staged import ImageStem, Stage, StagedModel, build_staged, staged_cfg
 from ._weights import hub_weights
 
 __all__ = ["SAN", "checkpoint_filter_fn"]
 
 
-class Stem(nn.Module):
+class Stem(ImageStem):
     """1x1 conv (no bias), BN, ReLU, at full resolution."""
 
     def __init__(self, in_chans: int, out_chs: int, device=None, dtype=None):
         dd = {"device": device, "dtype": dtype}
-        super().__init__()
+        super().__init__(in_chans)
         self.conv = nn.Conv2d(in_chans, out_chs, 1, bias=False, **dd)
         self.norm = BatchNormAct2d(out_chs, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.conv(x))
+        return self.norm(self.conv(self.check(x)))
 
 
 class Transition(nn.Module):
@@ -203,25 +203,25 @@ class SAN(StagedModel):
             feature_info=feature_info, in_chans=in_chans,
             min_size=min_input_size(kernel_sizes, padding_mode), num_classes=num_classes,
             global_pool=global_pool, drop_rate=drop_rate)
-        # for stages_pruned
+        # for use_stages
         self.kernel_sizes = kernel_sizes
         self.padding_mode = padding_mode
-        self.stages_pruned()
+        self.use_stages(num_stages)
         # Official init: PyTorch's defaults everywhere (nothing to do).
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         return set()  # the official recipe decays every parameter
 
-    def stages_pruned(self) -> None:
+    def use_stages(self, n: int) -> None:
         # Fewer stages, a smaller footprint at the last one: a smaller minimum input.
-        kernel_sizes = self.kernel_sizes[:len(self.stages)]
-        self.min_size = min_input_size(kernel_sizes, self.padding_mode)
+        kernel_sizes = self.kernel_sizes[:n]
+        hint = ''
         if self.padding_mode == 'reflect':
-            self.min_size_hint = (
-                f"; padding_mode='zeros' (timm.create_model(..., padding_mode='zeros')) lowers "
-                f"it to {min_input_size(kernel_sizes, 'zeros')} px, but is not the official "
-                "models' padding")
+            hint = (f"; padding_mode='zeros' (timm.create_model(..., padding_mode='zeros')) "
+                    f"lowers it to {min_input_size(kernel_sizes, 'zeros')} px, but is not the "
+                    "official models' padding")
+        self.set_min_size(min_input_size(kernel_sizes, self.padding_mode), hint)
 
 
 # --------------------------------------------------------------------------------------------
