@@ -191,6 +191,8 @@ def simulated_cuda():
     # Inductor loads the compiled kernels with the active driver: the simulated one stays
     triton_helpers.set_driver_to_gpu = triton_heuristics.set_driver_to_gpu = lambda: None
     torch.utils._triton.has_triton.cache_clear()  # (asked before, without a CUDA device)
+    from torch._subclasses import fake_tensor  # (torch 2.8's fake CUDA tensor inits CUDA)
+    fake_tensor.init_gpu_context = lambda *args: None
 
 
 def backward_calls(fake):

@@ -320,10 +320,26 @@ def kernel_op(name: str, impl: Callable[..., Any], schema: str,
                 tune_for_trace(impl, args)
             return impl(*args)
         return op(*args)
-    traceable.__signature__ = inspect.signature(impl)
+    traceable.__signature__ = _annotated_signature(schema)
     inductor = torch.library.triton_op(f"attnzoo::{name}_inductor", traceable, mutates_args=(),
                                        schema=schema)
     return KernelOp(op, inductor)
+
+
+_SCHEMA_TYPES = {"Tensor": torch.Tensor, "Tensor?": Optional[torch.Tensor], "int": int,
+                 "int[]": List[int], "float": float, "bool": bool, "str": str}
+
+
+def _annotated_signature(schema: str) -> inspect.Signature:
+    """``schema``'s arguments and returns as Python annotations: torch 2.6-2.8's ``triton_op``
+    infers the schema from them, whatever ``schema`` it is given."""
+    arguments, returns = re.fullmatch(r"\((.*)\) -> (.*)", schema).groups()
+    parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    annotation=_SCHEMA_TYPES[kind])
+                  for kind, name in (a.split() for a in arguments.split(", "))]
+    outputs = [_SCHEMA_TYPES[r] for r in returns.strip("()").split(", ")]
+    return inspect.Signature(parameters, return_annotation=outputs[0] if len(outputs) == 1
+                             and not returns.startswith("(") else Tuple[tuple(outputs)])
 
 
 class KernelOp:
