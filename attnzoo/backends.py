@@ -122,16 +122,15 @@ class use_backend(contextlib.ContextDecorator):
 
     def __init__(self, name: str):
         self.name = _check_name(name)
-        # what each entry replaced: a stack per thread (the same object may be re-entered, and
-        # entered by several threads at once: a module-level one)
-        self._previous = threading.local()
         self._used = False
 
     def _stack(self) -> List[Optional[str]]:
-        stack = getattr(self._previous, "stack", None)
-        if stack is None:
-            stack = self._previous.stack = []
-        return stack
+        """What each entry replaced: a stack per object and thread (the same object may be
+        re-entered, and entered by several threads at once: a module-level one)."""
+        stacks = getattr(_context, "entered", None)
+        if stacks is None:
+            stacks = _context.entered = {}
+        return stacks.setdefault(id(self), [])
 
     def __enter__(self) -> str:
         self._used = True
@@ -140,7 +139,10 @@ class use_backend(contextlib.ContextDecorator):
         return self.name
 
     def __exit__(self, *exc) -> None:
-        _context.backend = self._stack().pop()
+        stack = self._stack()
+        _context.backend = stack.pop()
+        if not stack:
+            del _context.entered[id(self)]
 
     def __call__(self, func):
         self._used = True

@@ -121,42 +121,45 @@ def captured(make, call) -> list:
 def check_joint() -> dict:
     """Compiled (Dynamo, then AOT autograd) on meta tensors (the autograd engine wants a real
     device for CUDA ones), traced as CUDA ones are."""
-    from torch._dynamo.backends.common import aot_autograd
-    kernels._INDUCTOR_DEVICES = ("cuda", "meta")
     found = {}
     for name, (make, call) in calls("meta").items():
-        graphs = []
+        graphs = compiled_call(make, call)
+        found[name] = dict(graphs=graphs, eager=captured(make, call))
+    return found
 
-        def keep(gm, inputs):
-            graphs.append(graph_kernels(gm))
-            return gm
-        torch._dynamo.reset()
-        compiled = torch.compile(call, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
-                                 fullgraph=True)
-        leaves = [t.requires_grad_() for t in make()]
+
+def compiled_call(make, call, dynamic_batch: bool = False) -> list:
+    """The graphs of a compiled training call on meta tensors (made by ``make``), traced as
+    CUDA ones are; ``dynamic_batch``: with a symbolic batch size."""
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(graph_kernels(gm))
+        return gm
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                             fullgraph=True)
+    leaves = [t.requires_grad_() for t in make()]
+    if dynamic_batch:
+        torch._dynamo.mark_dynamic(leaves[0], 0)
+    kernels._INDUCTOR_DEVICES = ("cuda", "meta")
+    try:
         out = compiled(*leaves)
         out.backward(torch.empty_like(out))
-        found[name] = dict(graphs=graphs, eager=captured(make, call))
-    kernels._INDUCTOR_DEVICES = ("cuda",)
-    return found
+    finally:
+        kernels._INDUCTOR_DEVICES = ("cuda",)
+    return graphs
 
 
 def check_dynamic() -> dict:
     """A call compiled with a symbolic batch size (as torch.compile recompiles for another
-    one): it keeps to the opaque ops (the host code keys its plans by static sizes)."""
-    from torch._dynamo.backends.common import aot_autograd
-    ops = set()
-
-    def keep(gm, inputs):
-        ops.update(graph_kernels(gm)["ops"])
-        return gm
+    one), traced as a CUDA one: it keeps to the opaque ops (the host code keys its plans by
+    static sizes)."""
     make, call = calls("meta")["na2d_qkv"]
-    leaves = [t.requires_grad_() for t in make()]
-    torch._dynamo.mark_dynamic(leaves[0], 0)
-    compiled = torch.compile(call, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
-                             fullgraph=True)
-    compiled(*leaves).sum().backward()
-    return dict(ops=sorted(ops))
+    graphs = compiled_call(make, call, dynamic_batch=True)
+    return dict(ops=sorted({op for graph in graphs for op in graph["ops"]}),
+                kernels=[k["kernel"] for graph in graphs for k in graph["kernels"]])
 
 
 def simulated_cuda():
@@ -224,30 +227,29 @@ def check_inductor() -> dict:
     from torch._inductor.compile_fx import compile_fx_inner
     simulated_cuda()
     found = {}
-    if True:
-        fake = FakeTensorMode()
-        forward = calls("cuda")
-        passes = {f"{name} forward": (call, None) for name, (_, call) in forward.items()}
-        passes.update({f"{name} backward": (call, args)
-                       for name, (call, args) in backward_calls(fake).items()})
-        for label, (call, args) in passes.items():
-            if args is None:
-                with fake:
-                    args = forward[label.split()[0]][0]()
-            graphs = []
+    fake = FakeTensorMode()
+    forward = calls("cuda")
+    passes = {f"{name} forward": (call, None) for name, (_, call) in forward.items()}
+    passes.update({f"{name} backward": (call, args)
+                   for name, (call, args) in backward_calls(fake).items()})
+    for label, (call, args) in passes.items():
+        if args is None:
+            with fake:
+                args = forward[label.split()[0]][0]()
+        graphs = []
 
-            def compiled(gm, inputs):
-                graphs.append(graph_kernels(gm))
-                compile_fx_inner(gm, inputs)
-                graphs[-1]["compiled"] = True
-                return gm  # (the compiled module would launch on a device: the graph runs)
-            try:
-                with fake:
-                    aot_function(call, fw_compiler=compiled)(*args)
-                result = "ok"
-            except Exception as e:  # noqa: BLE001 (reported, with its last line)
-                result = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:400]}"
-            found[label] = dict(result=result, graphs=graphs)
+        def compiled(gm, inputs):
+            graphs.append(graph_kernels(gm))
+            compile_fx_inner(gm, inputs)
+            graphs[-1]["compiled"] = True
+            return gm  # (the compiled module would launch on a device: the graph runs)
+        try:
+            with fake:
+                aot_function(call, fw_compiler=compiled)(*args)
+            result = "ok"
+        except Exception as e:  # noqa: BLE001 (reported, with its last line)
+            result = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:400]}"
+        found[label] = dict(result=result, graphs=graphs)
     return found
 
 

@@ -168,6 +168,9 @@ def test_one_use_backend_entered_by_two_threads_restores_each_its_own():
         seen["main"] = attnzoo.get_backend()
     assert seen == {"worker": "auto", "main": "natten"}
     assert attnzoo.get_backend() == "auto"
+    import copy
+    with copy.deepcopy(shared):  # (a plain object still: copied, pickled)
+        assert attnzoo.get_backend() == "torch"
 
 
 # ---------------------------------------------------------------------------------------------

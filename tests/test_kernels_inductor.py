@@ -62,10 +62,12 @@ def test_a_compiled_training_call_launches_what_the_eager_call_launches(findings
 
 
 def test_a_symbolic_batch_keeps_to_the_opaque_ops(findings):
-    """A call with a symbolic batch size (torch.compile's recompilation for another one): the
-    host code keys its plans by static sizes, so the trace keeps the opaque custom ops."""
-    assert findings["dynamic"]["ops"] == ["attnzoo.na_fused.default",
-                                          "attnzoo.na_fused_backward.default"]
+    """A call with a symbolic batch size (torch.compile's recompilation for another one),
+    traced as the static call of the joint test is (which has no attnzoo op): the host code
+    keys its plans by static sizes, so the trace keeps the opaque custom ops."""
+    assert findings["dynamic"] == dict(ops=["attnzoo.na_fused.default",
+                                            "attnzoo.na_fused_backward.default"], kernels=[])
+    assert findings["joint"]["na2d_qkv"]["graphs"][0]["kernels"]
 
 
 @pytest.mark.parametrize("label", [f"{family} {step}" for family in FAMILIES
@@ -105,3 +107,20 @@ def test_a_trace_tunes_its_call_on_real_tensors(monkeypatch):
     monkeypatch.setattr(kernels, "will_tune", lambda device: False)  # ATTNZOO_AUTOTUNE=0, ...
     kernels.tune_for_trace(impl, (x, 7))
     assert len(seen) == 1
+
+    # per thread: another thread's trace, tuning meanwhile, neither sees nor resets this one's
+    import threading
+    monkeypatch.setattr(kernels, "will_tune", lambda device: True)
+    inside, release, other = threading.Event(), threading.Event(), []
+
+    def slow(x, n):
+        inside.set()
+        release.wait(5)
+        other.append(kernels.can_tune(torch.device("cuda")))
+    thread = threading.Thread(target=kernels.tune_for_trace, args=(slow, (x, 7)))
+    thread.start()
+    inside.wait(5)
+    assert not kernels.can_tune(torch.device("cuda"))
+    release.set()
+    thread.join(5)
+    assert other == [True] and not kernels.can_tune(torch.device("cuda"))

@@ -180,6 +180,8 @@ def test_feature_indices_take_numpy_ints_and_out_indices_come_in_order(name):
                               out_indices=np.array([n - 2, n - 1]))
     assert len(model.feature_info.channels()) == 2
     timm.create_model(name, device="meta", features_only=True, out_indices=[np.int64(n - 1)])
+    model = timm.create_model(name, device="meta", features_only=True, out_indices=np.int64(2))
+    assert len(model.feature_info.channels()) == 2  # (a NumPy int is "the last n" too)
     for indices in ((n - 1, n - 2), (n - 1, n - 1), (n - 1, -1)):
         with pytest.raises(ValueError, match=rf"^out_indices={re.escape(repr(indices))}: name "
                                              rf"distinct (stages|blocks) in increasing order"):
@@ -191,6 +193,8 @@ def test_feature_indices_take_numpy_ints_and_out_indices_come_in_order(name):
     with torch.no_grad():
         assert len(model.forward_intermediates(x, indices=[np.int64(n - 1)],
                                                intermediates_only=True)) == 1
+        assert len(model.forward_intermediates(x, indices=np.int64(2),
+                                               intermediates_only=True)) == 2
         with pytest.raises(ValueError, match="^output_fmt must be 'NCHW' or 'NHWC', got 'NLC'"):
             model.forward_intermediates(x, output_fmt='NLC')
 
@@ -225,6 +229,17 @@ def test_a_features_model_checks_its_input_as_the_model_does(name, feature_cls):
             outs = list(outs.values()) if isinstance(outs, dict) else outs
             want = full.forward_intermediates(small, indices=(0, 1, 2), intermediates_only=True)
         assert [o.shape for o in outs] == [w.shape for w in want]
+
+
+def test_every_spelling_of_a_feature_cls_checks_the_minimum_of_its_stages():
+    """timm reads any name holding 'hook' as its hook wrapper, and takes its classes as they
+    are: each is the wrapper that tells a SAN which stages it runs (its minimum input)."""
+    from timm.models._features import FeatureHookNet, FeatureListNet
+    full = timm.create_model("san10_pairwise", device="meta").min_size
+    for feature_cls in ("hooks", "FeatureHookNet", "LIST", FeatureListNet, FeatureHookNet):
+        model = timm.create_model("san10_pairwise", device="meta", features_only=True,
+                                  out_indices=(0, 1, 2), feature_cls=feature_cls)
+        assert model.stem.min_size < full, feature_cls
 
 
 @pytest.mark.parametrize("name", SMALLEST)

@@ -474,8 +474,8 @@ def test_shape_and_argument_errors():
             na2d(q, k, v, kernel_size=bad)
     with pytest.raises(TypeError, match="^na2d: dilation"):
         na2d(q, k, v, kernel_size=3, dilation=1.5)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        na2d(q, k, v, kernel_size=3, scale=0.5)  # a finite scale's call first: a warm key
+    for bad in (float("nan"), float("inf"), float("-inf"), np.float64("nan")):
+        na2d(q, k, v, kernel_size=3, scale=type(bad)(0.5))  # a finite scale first: a warm key
         with pytest.raises(ValueError, match="^na2d: scale must be finite"):
             na2d(q, k, v, kernel_size=3, scale=bad)
     # NumPy's integers are ints

@@ -2,7 +2,8 @@
 
 One module per op family (``neighborhood.py``, ``qna.py``, ``san.py``), each running its
 kernels as ``torch.library`` custom ops, forward and backward (autograd registered on them), so
-that torch.compile and torch.fx see one opaque call each way and never the host code;
+that torch.fx sees one opaque call each way and never the host code, and torch.compile (torch
+>= 2.6, :class:`KernelOp`) the kernel launches themselves, which Inductor makes;
 ``tiling.py`` holds what the families' kernels share (window arithmetic, query tiles and the key
 regions they stream, strided loads, the online-softmax step, the precision rule, the work
 count). This module holds what their host code shares:
@@ -295,8 +296,7 @@ def capturing(*tensors: torch.Tensor) -> bool:
 def kernel_op(name: str, impl: Callable[..., Any], schema: str,
               fake: Callable[..., Any], tuned: bool = False) -> Any:
     """``impl`` (host code that launches kernels) as the custom op ``attnzoo::name`` of
-    ``schema``, mutating nothing: torch.compile and torch.fx see one opaque call, never the host
-    code. ``fake`` gives its outputs' shapes to a trace; while launches are captured on plain
+    ``schema``, mutating nothing: torch.fx sees one opaque call, never the host code. ``fake`` gives its outputs' shapes to a trace; while launches are captured on plain
     meta tensors (:func:`capturing`), ``impl`` itself runs there. On torch >= 2.6 (unless
     ``ATTNZOO_INDUCTOR_LAUNCHES=0`` at import), a :class:`KernelOp` around it instead, which
     torch.compile traces into. ``tuned``: ``impl`` autotunes its launches (:class:`Autotuner`),
@@ -367,24 +367,28 @@ def tune_for_trace(impl: Callable[..., Any], args: Sequence[Any]) -> None:
     ``impl`` once on real tensors of the traced ones' sizes, strides and dtypes (random
     values; outside every trace mode), so that the trace's plans take the tuned choice (and
     the store keeps it), as Inductor times its own kernels' configurations while it compiles.
-    A key tuned before (this process, or the store) times nothing."""
+    A key tuned before (this process, or the store) times nothing, but the call still runs
+    once on real tensors (a compile's cost: its inputs' memory, one launch per kernel)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     device = torch.device(_TUNING_DEVICE or tensors[0].device)
     if not will_tune(tensors[0].device) or torch.cuda.is_current_stream_capturing():
         return
-    global _tuning_for_trace
     from torch.utils._python_dispatch import _disable_current_modes
     with _disable_current_modes(), torch.no_grad():
         real = [_random_like(a, device) if isinstance(a, torch.Tensor) else a for a in args]
-        _tuning_for_trace, previous = True, _tuning_for_trace
+        previous, _trace_tuning.on = _tuning_for_trace(), True
         try:
             impl(*real)
         finally:
-            _tuning_for_trace = previous
+            _trace_tuning.on = previous
 
 
 _INDUCTOR_DEVICES = ("cuda",)  # (tests/inductor_launches.py adds meta: autograd on no GPU)
-_tuning_for_trace = False
+_trace_tuning = threading.local()  # .on: this thread tunes for a trace (tune_for_trace)
+
+
+def _tuning_for_trace() -> bool:
+    return getattr(_trace_tuning, "on", False)
 _TUNING_DEVICE: Optional[str] = None  # tests: the device of those real tensors (a simulated GPU)
 
 
@@ -471,13 +475,15 @@ def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
     current CUDA device, so a launch on another one is guarded), or record it
     (:func:`capture_launches`).
     ``warmup``: compile only, and return the compiled kernel (the autotuner reads its spills)."""
+    if type(args[0]) not in _PLAIN:  # a trace's tensors (KernelOp): a launch for Inductor
+        if not warmup:
+            torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        return None
     if _captured is not None:
         _captured.append((kernel, grid, args, kwargs) if _captured_args else
                          (kernel, grid, (), {}))
         return None
-    if traced(args[0]):  # a traceable op's host code in a trace (KernelOp): Inductor's launch
-        if not warmup and type(args[0]) not in _PLAIN:
-            torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+    if args[0].device.type == "meta":  # (no launch to make or capture)
         return None
     device = args[0].device
     guard = device.type == "cuda" and device.index != torch.cuda.current_device()
@@ -804,7 +810,7 @@ def can_tune(device: torch.device) -> bool:
     """Whether launches on ``device`` may be timed now (see :class:`Autotuner`): as
     :func:`will_tune`, and neither tracing (torch.compile) nor capturing a CUDA graph;
     ``ATTNZOO_AUTOTUNE=0`` turns tuning off (each launch takes its default configuration)."""
-    return (will_tune(device) and (_tuning_for_trace or not torch.compiler.is_compiling())
+    return (will_tune(device) and (_tuning_for_trace() or not torch.compiler.is_compiling())
             and not torch.cuda.is_current_stream_capturing())
 
 

@@ -219,22 +219,23 @@ def _check_build_args(variant: str, kwargs: Dict[str, Any]) -> None:
 
 
 def check_indices(argument: str, indices: Any, n: int, what: str = "stages",
-                  increasing: bool = False) -> None:
+                  increasing: bool = False) -> Any:
     """``indices`` as timm's ``feature_take_indices`` takes them for ``n`` features (``None``:
     all; an int: the last that many; a sequence or array of ints, NumPy's too: those, negative
     from the end), else a ``ValueError`` / ``TypeError`` naming ``argument`` and what is
     accepted (timm's own assertion gave a converted index, and a list index error said
     nothing). ``increasing``: a sequence must name distinct features in increasing order
     (``features_only``'s ``out_indices``: a feature wrapper returns them in the model's order,
-    once each, while its ``feature_info`` lists them as given)."""
+    once each, while its ``feature_info`` lists them as given). Returns them as timm takes
+    them: Python ints (a NumPy integer is not timm's "last n")."""
     accepted = (f"accepted: None (all), an int from 1 to {n} (the last that many) or a "
                 f"sequence of ints from {-n} to {n - 1}, for the {n} {what}")
     if indices is None:
-        return
+        return None
     if _integral(indices):
         if not 1 <= indices <= n:
             raise ValueError(f"{argument}={indices}: {accepted}")
-        return
+        return int(indices)
     if hasattr(indices, "tolist") and not isinstance(indices, torch.Tensor):  # NumPy arrays
         indices = indices.tolist()
     if not isinstance(indices, Sequence) or isinstance(indices, str) or not all(
@@ -247,6 +248,7 @@ def check_indices(argument: str, indices: Any, n: int, what: str = "stages",
         raise ValueError(f"{argument}={indices!r}: name distinct {what} in increasing order "
                          f"(the features come out in the model's order, once each), e.g. "
                          f"{sorted(set(positions))}")
+    return tuple(int(i) for i in indices)
 
 
 def _integral(value: Any) -> bool:

@@ -97,11 +97,9 @@ def build_staged(model_cls: type, variant: str, pretrained: bool, num_stages: in
     out_indices = kwargs.pop('out_indices', tuple(range(num_stages)))
     feature_cfg = dict(flatten_sequential=True, out_indices=out_indices)
     if kwargs.get('features_only'):
-        check_indices('out_indices', out_indices, num_stages, increasing=True)
-        feature_cls = kwargs.pop('feature_cls', 'list')
-        if isinstance(feature_cls, str) and feature_cls.lower() in _FEATURE_CLASSES:
-            feature_cls = _FEATURE_CLASSES[feature_cls.lower()]
-        feature_cfg['feature_cls'] = feature_cls
+        feature_cfg['out_indices'] = check_indices('out_indices', out_indices, num_stages,
+                                                   increasing=True)
+        feature_cfg['feature_cls'] = _staged_feature_cls(kwargs.pop('feature_cls', 'list'))
     return build_model(model_cls, variant, pretrained, filter_fn=filter_fn,
                        feature_cfg=feature_cfg, **kwargs)
 
@@ -121,9 +119,19 @@ def _using_stages(feature_cls: type) -> type:
     return cls
 
 
-_FEATURE_CLASSES = {name: _using_stages(cls) for name, cls in (
-    ('list', FeatureListNet), ('hook', FeatureHookNet), ('dict', FeatureDictNet),
-    ('fx', FeatureGraphNet))}
+_FEATURE_CLASSES = {cls: _using_stages(cls) for cls in (
+    FeatureListNet, FeatureHookNet, FeatureDictNet, FeatureGraphNet)}
+
+
+def _staged_feature_cls(feature_cls: Any) -> Any:
+    """``feature_cls`` (a name, as timm reads it, or one of timm's classes) as its
+    :func:`_using_stages` class; anything else (a class of the user's, 'getter') as given."""
+    if isinstance(feature_cls, str):
+        name = feature_cls.lower()
+        feature_cls = (FeatureHookNet if 'hook' in name else {
+            'list': FeatureListNet, 'dict': FeatureDictNet, 'fx': FeatureGraphNet}.get(
+                name, feature_cls))
+    return _FEATURE_CLASSES.get(feature_cls, feature_cls)
 
 
 def staged_cfg(**kwargs) -> Dict[str, Any]:
@@ -250,7 +258,7 @@ class StagedModel(nn.Module):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
         intermediates = []
         if not torch.jit.is_scripting():
-            check_indices('indices', indices, len(self.stages))
+            indices = check_indices('indices', indices, len(self.stages))
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         x = self._check_input(x)
         x = self.stem(x)
@@ -279,7 +287,7 @@ class StagedModel(nn.Module):
             prune_head: bool = True,
     ) -> List[int]:
         """Drop the stages (and norm / head) not needed for the intermediates ``indices``."""
-        check_indices('indices', indices, len(self.stages))
+        indices = check_indices('indices', indices, len(self.stages))
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         prune_end = max_index < len(self.stages) - 1
         self.stages = self.stages[:max_index + 1]
@@ -304,7 +312,8 @@ class StagedModel(nn.Module):
         self.min_size_hint = self.stem.min_size_hint = hint
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
-        """(The stem checks the images; see there.)"""
+        """Under a compiled training step, the image size made static (the stem checks the
+        images themselves: :class:`ImageStem`)."""
         if not torch.jit.is_scripting():  # alone in its test: TorchScript 2.4 skips only that
             if torch.compiler.is_compiling() and torch.is_grad_enabled() and (
                     not backends.exporting()):

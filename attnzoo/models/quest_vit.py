@@ -152,8 +152,8 @@ def _create_quest_vit(variant: str, pretrained: bool = False, **kwargs) -> Visio
                          "and 'dict' would return the blocks' [B, tokens, C] sequences, not maps")
     out_indices = kwargs.pop('out_indices', 3)
     if kwargs.get('features_only'):  # a feature per block (timm's ViT's default depth: 12)
-        check_indices('out_indices', out_indices, kwargs.get('depth', 12), 'blocks',
-                      increasing=True)
+        out_indices = check_indices('out_indices', out_indices, kwargs.get('depth', 12),
+                                    'blocks', increasing=True)
     attn_layer = kwargs.pop('attn_layer', 'quest')
     if isinstance(attn_layer, str):
         timm_names = tuple(getattr(timm_vit, 'ATTN_LAYERS', ()))  # timm's own, if any

@@ -885,7 +885,7 @@ def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, qkv):
     if type(kernel_size) is int and type(dilation) is int and tensors is not None:
         # (a float scale's finiteness too: a NaN after a finite scale is still refused)
         key = ("na", n, packed, kernel_size, dilation, type(scale),
-               type(scale) is not float or math.isfinite(scale), tensors)
+               isinstance(scale, float) and not math.isfinite(scale), tensors)
     return backends.checked_once(key, check)
 
 
