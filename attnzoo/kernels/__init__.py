@@ -296,8 +296,9 @@ def capturing(*tensors: torch.Tensor) -> bool:
 def kernel_op(name: str, impl: Callable[..., Any], schema: str,
               fake: Callable[..., Any], tuned: bool = False) -> Any:
     """``impl`` (host code that launches kernels) as the custom op ``attnzoo::name`` of
-    ``schema``, mutating nothing: torch.fx sees one opaque call, never the host code. ``fake`` gives its outputs' shapes to a trace; while launches are captured on plain
-    meta tensors (:func:`capturing`), ``impl`` itself runs there. On torch >= 2.6 (unless
+    ``schema``, mutating nothing: torch.fx sees one opaque call, never the host code. ``fake``
+    gives its outputs' shapes to a trace; while launches are captured on plain meta tensors
+    (:func:`capturing`), ``impl`` itself runs there. On torch >= 2.6 (unless
     ``ATTNZOO_INDUCTOR_LAUNCHES=0`` at import), a :class:`KernelOp` around it instead, which
     torch.compile traces into. ``tuned``: ``impl`` autotunes its launches (:class:`Autotuner`),
     which a trace does on real tensors of the call's sizes (:func:`tune_for_trace`)."""
@@ -384,12 +385,12 @@ def tune_for_trace(impl: Callable[..., Any], args: Sequence[Any]) -> None:
 
 
 _INDUCTOR_DEVICES = ("cuda",)  # (tests/inductor_launches.py adds meta: autograd on no GPU)
+_TUNING_DEVICE: Optional[str] = None  # tests: the device of those real tensors (no GPU there)
 _trace_tuning = threading.local()  # .on: this thread tunes for a trace (tune_for_trace)
 
 
 def _tuning_for_trace() -> bool:
     return getattr(_trace_tuning, "on", False)
-_TUNING_DEVICE: Optional[str] = None  # tests: the device of those real tensors (a simulated GPU)
 
 
 def _random_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
