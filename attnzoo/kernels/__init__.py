@@ -339,8 +339,8 @@ def _annotated_signature(schema: str) -> inspect.Signature:
                                     annotation=_SCHEMA_TYPES[kind])
                   for kind, name in (a.split() for a in arguments.split(", "))]
     outputs = [_SCHEMA_TYPES[r] for r in returns.strip("()").split(", ")]
-    return inspect.Signature(parameters, return_annotation=outputs[0] if len(outputs) == 1
-                             and not returns.startswith("(") else Tuple[tuple(outputs)])
+    return inspect.Signature(parameters, return_annotation=Tuple[tuple(outputs)]
+                             if returns.startswith("(") else outputs[0])
 
 
 class KernelOp:
@@ -419,9 +419,11 @@ def inductor_launches() -> bool:
 
 
 def traced(tensor: torch.Tensor) -> bool:
-    """``tensor`` is a trace's (a fake or functional tensor), or a meta tensor while no launch
-    is captured: a launch on it is no launch (:func:`launch_on_device`) and no timing."""
-    return type(tensor) not in _PLAIN or tensor.device.type == "meta" and _captured is None
+    """``tensor`` is a trace's (a fake or functional tensor): a launch on it is a kernel call
+    in the trace's graph (:func:`launch_on_device`), and nothing is timed on it. (A plain meta
+    tensor reaches the host code only while launches are captured: elsewhere a call on one
+    takes the opaque op, whose fake runs no host code.)"""
+    return type(tensor) not in _PLAIN
 
 
 def eager(tensor: torch.Tensor) -> bool:
@@ -476,15 +478,13 @@ def launch_on_device(kernel, grid, *args, warmup: bool = False, **kwargs):
     current CUDA device, so a launch on another one is guarded), or record it
     (:func:`capture_launches`).
     ``warmup``: compile only, and return the compiled kernel (the autotuner reads its spills)."""
-    if type(args[0]) not in _PLAIN:  # a trace's tensors (KernelOp): a launch for Inductor
+    if traced(args[0]):  # a trace's tensors (KernelOp): a launch for Inductor
         if not warmup:
             torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         return None
     if _captured is not None:
         _captured.append((kernel, grid, args, kwargs) if _captured_args else
                          (kernel, grid, (), {}))
-        return None
-    if args[0].device.type == "meta":  # (no launch to make or capture)
         return None
     device = args[0].device
     guard = device.type == "cuda" and device.index != torch.cuda.current_device()

@@ -306,10 +306,11 @@ class StagedModel(nn.Module):
         stages, a subclass updates it here (:meth:`set_min_size`)."""
 
     def set_min_size(self, min_size: int, hint: str = '') -> None:
-        """The smallest input side the model takes, and what ends the too-small-input message
-        (how to lower the minimum), checked by the stem."""
+        """The smallest input side the model takes (``min_size``, as hub.smallest_size reads
+        it), and what ends the too-small-input message (how to lower the minimum): the stem
+        checks both."""
         self.min_size = self.stem.min_size = min_size
-        self.min_size_hint = self.stem.min_size_hint = hint
+        self.stem.min_size_hint = hint
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         """Under a compiled training step, the image size made static (the stem checks the
