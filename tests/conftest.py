@@ -181,6 +181,26 @@ def pytest_configure(config):
         config.pluginmanager.register(_timm_suite_plugin, "attnzoo-timm-suite")
 
 
+# The modules whose fixture runs a harness in a process of its own for a minute or more on CI:
+# each on one pytest-xdist worker, which runs it once (each worker given one of their tests would)
+HARNESS_MODULES = ("tests/test_kernels_inductor.py", "tests/test_kernels_launch.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's ``load`` scheduling (``-n 2``) of single tests, but each of the
+    :data:`HARNESS_MODULES` as one unit (they go out first, as the biggest units)."""
+    if config.getoption("dist") != "load":
+        return None  # (another --dist, as asked)
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HarnessModulesWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in HARNESS_MODULES else nodeid
+    return HarnessModulesWhole(config, log)
+
+
 # Tests of half a minute or more on CI (its --durations), by node id prefix: run first, so
 # that pytest-xdist's workers start them early instead of one of them finishing alone with one.
 LONG_FIRST = ("tests/test_gpu_verify.py::", "tests/test_train_launch.py::",

@@ -11,10 +11,17 @@ Nothing runs on a device. Prints one JSON object of findings:
   and the launches the eager path captures for the same call (``capture_launches``);
 * ``dynamic``: the attnzoo ops of a call compiled with a symbolic batch size;
 * ``inductor``: per family and pass, Inductor's compile of the pass's graph on fake CUDA
-  tensors: ``ok`` or its error's last line, and the graph's kernels.
+  tensors: ``ok`` or its error's last line, and the graph's kernels;
+* ``cudagraphs``: per tiny model of each family (and a control that copies a host tensor in),
+  its compiled training step's forward and backward graphs as Inductor compiles them for
+  ``mode="reduce-overhead"``: the attnzoo ops and kernel calls left in them, why CUDA graphs
+  would be skipped (none, or Inductor's reasons) and the graph's partitions (nodes,
+  whether each is captured into a CUDA graph, and why not).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import sys
@@ -35,6 +42,9 @@ from triton.runtime.autotuner import Autotuner  # noqa: E402
 from attnzoo import backends, kernels  # noqa: E402
 from attnzoo.kernels import neighborhood, qna, san  # noqa: E402
 from attnzoo.ops import na2d_qkv, qna2d, san_aggregation, san_subtraction2  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))
+import tiny_models  # noqa: E402
 
 H100 = kernels.DeviceInfo("NVIDIA H100", (9, 0), 232448)
 
@@ -223,6 +233,10 @@ def backward_calls(fake):
     }
 
 
+def last_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[-1][:400]
+
+
 def check_inductor() -> dict:
     from torch._inductor.compile_fx import compile_fx_inner
     simulated_cuda()
@@ -248,8 +262,147 @@ def check_inductor() -> dict:
                 aot_function(call, fw_compiler=compiled)(*args)
             result = "ok"
         except Exception as e:  # noqa: BLE001 (reported, with its last line)
-            result = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:400]}"
+            result = f"{type(e).__name__}: {last_line(e)}"
         found[label] = dict(result=result, graphs=graphs)
+    return found
+
+
+class HostCopy(torch.nn.Module):
+    """The CUDA-graph check's control: a training step that copies a host tensor (a buffer
+    kept on the CPU) to the device, which a CUDA graph cannot capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+        self.register_buffer("shift", torch.ones(3, device="cpu"))
+
+    def forward(self, x):
+        return self.proj(x.mean((2, 3)) + self.shift.to(x.device))
+
+
+STEPS = {  # the training steps the CUDA-graph check compiles, 2 x 3 x 32 x 32 images
+    "nat": lambda: tiny_models.nat(tiny_models.NAT_ONE_STAGE, backend="cuda"),  # (dilated)
+    "qna_vit": lambda: tiny_models.qna_vit(**tiny_models.QNA_VIT_TWO_STAGES, backend="cuda"),
+    "san_pairwise": lambda: tiny_models.san(**tiny_models.SAN_TWO_STAGES, backend="cuda"),
+    "san_patchwise": lambda: tiny_models.san("patchwise", **tiny_models.SAN_TWO_STAGES,
+                                             backend="cuda"),
+    "control": HostCopy,
+}
+
+
+def trace_training_steps() -> dict:
+    """Per model of :data:`STEPS` on the ``cuda`` backend: the forward and backward graphs of
+    its compiled training step (Dynamo, fullgraph, then AOT autograd with Inductor's
+    decompositions), traced on meta tensors as CUDA ones are, each with what Inductor's
+    compile would be given beside it (its inputs' layouts, meta as CUDA, and which inputs
+    are static: the parameters and buffers, and the backward's saved tensors)."""
+    import torch._inductor.compile_fx  # noqa: F401 (the decompositions use its lowerings)
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.utils import count_tangents
+    found = {}
+    for name, build in STEPS.items():
+        graphs = []
+
+        def keep(is_backward):
+            def compiler(gm, inputs):
+                static = (range(count_tangents(gm)) if is_backward else torch._guards.
+                          TracingContext.try_get().fw_metadata.static_input_indices)
+                graphs.append((copy.deepcopy(gm), [
+                    (t.shape, t.stride(), t.dtype, on_cuda(t.device))
+                    if isinstance(t, torch.Tensor) else t for t in inputs],
+                    list(static), is_backward))
+                return gm
+            return compiler
+        with torch.device("meta"):
+            model = build()
+            x = torch.empty(2, 3, 32, 32)
+        kernels._INDUCTOR_DEVICES = ("cuda", "meta")
+        try:  # (no torch._dynamo.reset(): it empties the table of the graphs' kernels)
+            step = torch.compile(model.train(), fullgraph=True, backend=aot_autograd(
+                fw_compiler=keep(False), bw_compiler=keep(True),
+                decompositions=select_decomp_table()))
+            out = step(x)
+            out.backward(torch.empty_like(out))
+        finally:
+            kernels._INDUCTOR_DEVICES = ("cuda",)
+        found[name] = graphs
+    return found
+
+
+def on_cuda(a):
+    """``a`` (a device, a node's arguments) with the meta device made CUDA."""
+    if isinstance(a, torch.device) and a.type == "meta":
+        return torch.device("cuda")
+    if isinstance(a, (list, tuple)):
+        return type(a)(on_cuda(b) for b in a)
+    if isinstance(a, dict):
+        return {k: on_cuda(b) for k, b in a.items()}
+    return a
+
+
+@contextlib.contextmanager
+def recording_partitions(partitions: list):
+    """Inductor's graph partitions (the CUDA graphs a compiled graph is cut into) appended
+    to ``partitions`` as the scheduler makes them; Inductor's own kernels left uncompiled
+    (the check is the partitions: the passes' compile is check_inductor's)."""
+    from torch._inductor import async_compile
+    from torch._inductor.scheduler import Scheduler
+    make, triton = Scheduler.graph_partition, async_compile.AsyncCompile.triton
+
+    def graph_partition(self):
+        parts, signatures = make(self)
+        partitions.append([dict(nodes=len(part), cudagraph=not signature.skip_cudagraph,
+                                reasons=sorted({self.should_partition(n) or "" for n in part}
+                                               - {""}))
+                           for part, signature in zip(parts, signatures)])
+        return parts, signatures
+    Scheduler.graph_partition = graph_partition
+    async_compile.AsyncCompile.triton = lambda self, kernel_name, *args, **kwargs: kernel_name
+    try:
+        yield
+    finally:
+        Scheduler.graph_partition, async_compile.AsyncCompile.triton = make, triton
+
+
+def check_cudagraphs(traced: dict) -> dict:
+    """Each graph of :func:`trace_training_steps` compiled by Inductor on fake CUDA tensors
+    for CUDA graphs, as ``mode="reduce-overhead"`` compiles it (``triton.cudagraphs``; the
+    tree of CUDA graphs off: it needs the forward run on a device before the backward's
+    compile)."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.cudagraph_utils import BoxedDeviceIndex
+    from torch._inductor.utils import BoxedBool
+    found = {}
+    with config.patch({"triton.cudagraphs": True, "triton.cudagraph_trees": False,
+                       "use_static_cuda_launcher": False, "compile_threads": 1}):
+        for name, graphs in traced.items():
+            device_index = BoxedDeviceIndex(None)
+            found[name] = []
+            for gm, layouts, static, is_backward in graphs:
+                for node in gm.graph.nodes:
+                    node.args, node.kwargs = on_cuda(node.args), on_cuda(node.kwargs)
+                gm.recompile()
+                fake = FakeTensorMode()
+                with fake:
+                    inputs = [torch.empty_strided(*t[:2], dtype=t[2], device=t[3])
+                              if isinstance(t, tuple) else t for t in layouts]
+                cudagraphs, partitions = BoxedBool(True), []
+                result = dict(graph_kernels(gm), partitions=partitions)
+                try:
+                    with fake, recording_partitions(partitions):
+                        compiled = compile_fx_inner(
+                            gm, inputs, cudagraphs=cudagraphs, static_input_idxs=static,
+                            is_backward=is_backward, boxed_forward_device_index=device_index)
+                except Exception as e:  # noqa: BLE001 (reported, with its last line)
+                    result["error"] = f"{type(e).__name__}: {last_line(e)}"
+                else:
+                    info = compiled.cudagraph_info
+                    result.update(cudagraphs=bool(cudagraphs),
+                                  disabled=compiled.disabled_cudagraphs_reason,
+                                  fail_reasons=info.cudagraph_fail_reasons if info else None)
+                found[name].append(result)
     return found
 
 
@@ -258,8 +411,10 @@ def main() -> None:
     on_any_device()
     # (Triton's driver gives the target whose compile tells torch which tensors a kernel writes)
     with simulated_gpu(90):
-        print(json.dumps(dict(joint=check_joint(), dynamic=check_dynamic(),
-                              inductor=check_inductor())))
+        joint, dynamic, steps = check_joint(), check_dynamic(), trace_training_steps()
+        inductor = check_inductor()  # (the simulated CUDA from here on: no more Dynamo)
+        print(json.dumps(dict(joint=joint, dynamic=dynamic, inductor=inductor,
+                              cudagraphs=check_cudagraphs(steps))))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 (:class:`attnzoo.kernels.KernelOp`) whose host code AOT autograd runs on the trace's fake CUDA
 tensors, so that Inductor sees every kernel launch and launches it from its own wrapper (no
 attnzoo Python per call in a compiled model). Checked without a GPU in a process of its own
-without TRITON_INTERPRET (tests/inductor_launches.py: the joint graphs, and Inductor's compile
-of each pass for a simulated sm90 GPU); the compiled steps' numbers are
-tests/test_kernels_compile.py's (on a GPU, through these kernel calls)."""
+without TRITON_INTERPRET (tests/inductor_launches.py: the joint graphs, Inductor's compile of
+each pass for a simulated sm90 GPU, and each family's compiled training step as Inductor
+compiles it for CUDA graphs); the compiled steps' numbers are tests/test_kernels_compile.py's
+(on a GPU, through these kernel calls)."""
 from __future__ import annotations
 
 import json
@@ -124,3 +125,32 @@ def test_a_trace_tunes_its_call_on_real_tensors(monkeypatch):
     release.set()
     thread.join(5)
     assert other == [True] and not kernels.can_tune(torch.device("cuda"))
+
+
+CUDAGRAPH_STEPS = ["nat", "qna_vit", "san_pairwise", "san_patchwise"]
+
+
+@pytest.mark.parametrize("model", CUDAGRAPH_STEPS)
+def test_a_compiled_training_step_is_one_cuda_graph_each_way(findings, model):
+    """``torch.compile(model, mode="reduce-overhead")`` on the kernels, as far as it goes
+    without a GPU: a tiny model of each family (NAT with DiNAT's dilation) compiled for
+    training (fullgraph: no graph break) and its forward and backward graphs compiled by
+    Inductor for CUDA graphs. Each graph launches the kernels itself, with no opaque op, and is
+    one partition that a CUDA graph captures: nothing skips it (no host tensor, no
+    synchronising or CUDA-graph-unsafe op, no mutated input that is not a buffer)."""
+    forward, backward = findings["cudagraphs"][model]
+    for graph in (forward, backward):
+        assert "error" not in graph, graph["error"]
+        assert graph["ops"] == [] and graph["kernels"]
+        assert graph["disabled"] is None and graph["fail_reasons"] == []
+        [[partition]] = graph["partitions"]
+        assert partition["cudagraph"] and partition["reasons"] == [] and graph["cudagraphs"]
+
+
+def test_the_cuda_graph_check_sees_what_a_cuda_graph_cannot_capture(findings):
+    """The check's control: a step that copies a CPU buffer to the device gets a partition
+    that no CUDA graph captures, for that copy (so the check above can fail)."""
+    forward, backward = findings["cudagraphs"]["control"]
+    assert [p["reasons"] for p in forward["partitions"][0] if not p["cudagraph"]] == [
+        ["DeviceCopy ops"]]
+    assert all(p["cudagraph"] for p in backward["partitions"][0])
