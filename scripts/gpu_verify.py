@@ -1196,10 +1196,10 @@ def models_table(rows: List[dict]) -> str:
                                              f", < {target}x") + ")"
             line.append(text)
         body.append(line)
+    flags = ("graph_breaks", "cudagraph_skips", "cudagraph_partitions", "sync")
     notes = [f"- {r['model']} {r['kind']} {r['mode']}: " + "; ".join(
-        f"{k.replace('_', ' ')} {r[k]}" for k in ("graph_breaks", "cudagraph_skips", "sync")
-        if r.get(k) not in (None, 0, "ok")) for r in rows
-        if r.get("graph_breaks") or r.get("cudagraph_skips") or r.get("sync", "ok") != "ok"]
+        f"{k.replace('_', ' ')} {r[k]}" for k in flags if r.get(k) not in (None, 0, "ok"))
+        for r in rows if any(r.get(k) not in (None, 0, "ok") for k in flags)]
     return "\n".join([table(["model"] + [f"{k} {m}" for k, m in columns], body), ""] + notes)
 
 
@@ -1285,6 +1285,9 @@ def worker_bench_model(stage: Stage) -> None:
                     row["img_s"] = batch[kind] / statistics.median(times)
                     row["graph_breaks"] = sum(counters["graph_break"].values())
                     row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+                    # (a graph cut around what a CUDA graph cannot capture, which runs eagerly
+                    # without a skip counted: the partitions of the graphs cut, else 0)
+                    row["cudagraph_partitions"] = counters["inductor"]["cudagraph_partitions"]
                     if kind == "train" and not stage.dry:
                         torch.cuda.set_sync_debug_mode("error")
                         try:

@@ -206,12 +206,13 @@ def test_the_models_table_marks_issue_46s_targets_against_swin_in_the_same_colum
             for m in gpu_verify.MODES for k in ("train", "infer")]
     rows += [dict(model="nat_tiny", mode="eager", kind="train", img_s=48.0),
              dict(model="nat_tiny", mode="reduce-overhead", kind="train", img_s=125.0,
-                  sync="synchronises: x", cudagraph_skips=1),
+                  sync="synchronises: x", cudagraph_skips=1, cudagraph_partitions=3),
              dict(model="nat_tiny", mode="compiled", kind="infer", problem="out of time")]
     text = gpu_verify.models_table(rows)
     nat = next(line for line in text.splitlines() if line.startswith("nat_tiny"))
     assert "48 (0.48x, < 1.0x)" in nat and "125 (1.25x, met)" in nat and "out of time" in nat
-    assert "- nat_tiny train reduce-overhead: cudagraph skips 1; sync synchronises: x" in text
+    assert ("- nat_tiny train reduce-overhead: cudagraph skips 1; cudagraph partitions 3; "
+            "sync synchronises: x") in text
 
 
 def test_the_benchs_flex_attention_baseline_is_na_with_nats_rpb():

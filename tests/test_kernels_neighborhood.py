@@ -211,6 +211,31 @@ def test_rpb_in_its_own_dtype(dtype):
                                atol=TOL[dtype][1], rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["na2d", "na2d_qkv"])
+def test_autocast_computes_in_its_dtype_on_every_backend(packed):
+    """Under autocast, fp32 q, k and v are cast to its dtype before the call, as
+    F.scaled_dot_product_attention's are, on the kernels as on the torch reference (whose
+    matmuls alone cast: the kernels returned fp32 there); the bias stays fp32, and the
+    gradients reach the fp32 leaves in fp32."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, 6, 7, 3, 2, 8, generator=g).to(DEVICE)
+    rpb = torch.randn(2, 5, 5, generator=g).to(DEVICE).requires_grad_()
+    low = qkv.bfloat16()
+    outs = {}
+    for backend in ("torch", "cuda"):
+        leaf = qkv.clone().requires_grad_()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = (na2d_qkv(leaf, kernel_size=3, rpb=rpb, backend=backend) if packed else
+                   na2d(*leaf.unbind(3), kernel_size=3, rpb=rpb, backend=backend))
+        want = na2d(*low.unbind(3), kernel_size=3, rpb=rpb, backend=backend)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, want, rtol=0, atol=0)  # the cast, then the call
+        out.float().square().sum().backward()
+        assert leaf.grad.dtype == torch.float32 and rpb.grad.dtype == torch.float32
+        outs[backend] = out.float()
+    torch.testing.assert_close(outs["cuda"], outs["torch"], rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape,kernel,dilation", [
     ((1, 13, 15, 2, 32), 5, (2, 1)),

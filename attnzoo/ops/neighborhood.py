@@ -127,7 +127,7 @@ def _check_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, fn: str):
     _check_rpb(fn, rpb, q.shape[-2], ks, q.device)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"{fn}: scale must be a float or None, got {scale!r}")
-    if scale is not None and not math.isfinite(scale):
+    if scale is not None and not _finite(scale):
         raise ValueError(f"{fn}: scale must be finite (None: head_dim ** -0.5), got {scale!r}")
     return ks, dil
 
@@ -867,6 +867,10 @@ backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear,
 # public ops
 # --------------------------------------------------------------------------------------------
 
+def _finite(x) -> bool:
+    return x == x and abs(x) != math.inf
+
+
 def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, qkv):
     """:func:`_check_call` once per call metadata (:func:`attnzoo.backends.checked_once`:
     ``qkv``'s, whose views q, k and v are, where the call is packed); returns (kernel_size,
@@ -885,7 +889,7 @@ def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, qkv):
     if type(kernel_size) is int and type(dilation) is int and tensors is not None:
         # (a float scale's finiteness too: a NaN after a finite scale is still refused)
         key = ("na", n, packed, kernel_size, dilation, type(scale),
-               isinstance(scale, float) and not math.isfinite(scale), tensors)
+               isinstance(scale, float) and not _finite(scale), tensors)
     return backends.checked_once(key, check)
 
 
@@ -893,7 +897,22 @@ _NAMES = {(n, packed): f"na{n}d_qkv" if packed else f"na{n}d" for n in (1, 2)
           for packed in (False, True)}  # the public ops, for messages
 
 
+def _autocast(*tensors):
+    """Under autocast, NA computes in autocast's dtype, as F.scaled_dot_product_attention
+    does, whatever the backend (the torch reference's matmuls cast, NATTEN and the kernels
+    would not): floating tensors but fp64 are cast; rpb stays (each backend rounds it)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
+
+
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv=None):
+    if qkv is None and torch._C._is_any_autocast_enabled() and all(
+            isinstance(t, torch.Tensor) for t in (q, k, v)):  # (else _check_call says why)
+        q, k, v = _autocast(q, k, v)
     ks, dil, calls, empty = _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n, qkv)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -913,6 +932,8 @@ def _na_qkv(n, qkv, kernel_size, dilation, rpb, scale, backend):
         raise ValueError(f"{fn}: qkv must be {n + 4}-D {layout}, got shape {tuple(qkv.shape)}")
     if not qkv.is_floating_point():
         raise TypeError(f"{fn}: qkv must be a floating-point tensor, got {qkv.dtype}")
+    if torch._C._is_any_autocast_enabled():
+        qkv, = _autocast(qkv)
     q, k, v = qkv.unbind(n + 1)
     return _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv)
 
