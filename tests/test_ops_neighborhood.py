@@ -478,9 +478,13 @@ def test_shape_and_argument_errors():
         na2d(q, k, v, kernel_size=3, scale=type(bad)(0.5))  # a finite scale first: a warm key
         with pytest.raises(ValueError, match="^na2d: scale must be finite"):
             na2d(q, k, v, kernel_size=3, scale=bad)
-    # NumPy's integers are ints
+    # NumPy's integers are ints, its floats floats
     torch.testing.assert_close(na2d(q, k, v, kernel_size=np.int64(3), dilation=(np.int32(1), 2)),
                                na2d(q, k, v, kernel_size=3, dilation=(1, 2)), rtol=0, atol=0)
+    torch.testing.assert_close(na2d(q, k, v, kernel_size=3, scale=np.float32(0.25)),
+                               na2d(q, k, v, kernel_size=3, scale=0.25), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="^na2d: scale must be a float"):
+        na2d(q, k, v, kernel_size=3, scale=np.bool_(True))
 
 
 @pytest.mark.parametrize("n", [1, 2])

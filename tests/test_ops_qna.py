@@ -251,6 +251,14 @@ def test_argument_errors():
         kwargs = {**dict(logits=logits, v=v, kernel_size=3, rpb=rpb, window_weights=ws), **change}
         with pytest.raises(error, match=message):
             qna2d(kwargs.pop('logits'), kwargs.pop('v'), **kwargs)
+    # NumPy's integers are ints (as na2d's kernel_size): the same call
+    import numpy as np
+    torch.testing.assert_close(
+        qna2d(logits, v, kernel_size=np.int64(3), stride=np.int32(2), rpb=rpb, window_weights=ws),
+        qna2d(logits, v, kernel_size=3, stride=2, rpb=rpb, window_weights=ws), rtol=0, atol=0)
+    positions = qna_module.qna_window_positions
+    torch.testing.assert_close(positions(np.int64(5), 6, kernel_size=np.int64(3)),
+                               positions(5, 6, kernel_size=3), rtol=0, atol=0)
 
 
 def test_a_warm_call_skips_the_checks_that_its_metadata_passed(monkeypatch):

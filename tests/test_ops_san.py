@@ -258,6 +258,13 @@ def test_errors():
         san_subtraction2(x, x[:, :2], kernel_size=3)
     with pytest.raises(ValueError, match="unknown backend"):
         san_subtraction(x, kernel_size=3, backend="bogus")
+    # NumPy's integers are ints (as na2d's kernel_size): the same calls
+    import numpy as np
+    torch.testing.assert_close(san_aggregation(x, w, kernel_size=np.int64(3)),
+                               san_aggregation(x, w, kernel_size=3), rtol=0, atol=0)
+    torch.testing.assert_close(
+        san_subtraction(x, kernel_size=(np.int32(3), 3), dilation=np.int64(2)),
+        san_subtraction(x, kernel_size=3, dilation=2), rtol=0, atol=0)
     for empty in (x[:, :0], x[:, :, :0]):  # only the batch may be
         with pytest.raises(ValueError, match=r"only the batch of x may be empty"):
             san_subtraction(empty, kernel_size=3, padding_mode="zeros")

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
+import numbers
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from .. import backends, kernels
+from ._args import as_int
 
 __all__ = ["na1d", "na2d", "na1d_qkv", "na2d_qkv", "na1d_qk", "na1d_av", "na2d_qk", "na2d_av",
            "na_window_positions", "na_reference", "na_export"]
@@ -39,22 +40,12 @@ IntOrTuple = Union[int, Sequence[int]]
 # argument checking
 # --------------------------------------------------------------------------------------------
 
-def _int(value) -> Optional[int]:
-    """``value`` as an int where it is one (a NumPy integer too), not a bool; else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _as_tuple(value: IntOrTuple, n: int, name: str, fn: str = "") -> Tuple[int, ...]:
-    one = _int(value)
+    one = as_int(value)
     if one is not None:
         return (one,) * n
     if isinstance(value, (tuple, list)) and len(value) == n:
-        each = [_int(v) for v in value]
+        each = [as_int(v) for v in value]
         if None not in each:
             return tuple(each)
     raise TypeError(f"{fn + ': ' if fn else ''}{name} must be an int or a tuple of {n} ints, "
@@ -910,6 +901,9 @@ def _autocast(*tensors):
 
 
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv=None):
+    if type(scale) not in (float, int) and isinstance(scale, numbers.Real) and not isinstance(
+            scale, bool):
+        scale = float(scale)  # (a NumPy float: the op's schema takes a Python float)
     if qkv is None and torch._C._is_any_autocast_enabled() and all(
             isinstance(t, torch.Tensor) for t in (q, k, v)):  # (else _check_call says why)
         q, k, v = _autocast(q, k, v)

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import backends, kernels
+from ._args import as_int
 
 __all__ = ["qna2d", "qna2d_weights", "qna_window_positions", "qna2d_reference",
            "qna2d_export", "qna_export_rows"]
@@ -564,8 +565,10 @@ backends.register_op(
 # --------------------------------------------------------------------------------------------
 
 def _check_int(value, name: str, odd: bool = False, fn: str = "qna2d") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{fn}: {name} must be an int, got {value!r}")
+    """``value`` as an int (NumPy integers too), checked."""
+    value, given = as_int(value), value
+    if value is None:
+        raise TypeError(f"{fn}: {name} must be an int, got {given!r}")
     if value < 1 or (odd and value % 2 == 0):
         raise ValueError(f"{fn}: {name} must be {'an odd int' if odd else 'an int'} >= 1, "
                          f"got {value}")
@@ -635,6 +638,10 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
         ``[B, H_out, W_out, heads, head_dim]``, or ``[B, H_out, W_out, L, heads, head_dim]``
         with ``sum_queries=False``; in ``v``'s dtype.
     """
+    if type(kernel_size) is not int or type(stride) is not int:  # NumPy integers as ints
+        kernel_size, stride = (n if as_int(n) is None else as_int(n)
+                               for n in (kernel_size, stride))
+
     def check():  # once per call metadata: the call's keys without and with gradients, and
         # whether a tensor is empty
         _check_call(logits, v, kernel_size, stride, rpb, window_weights, sum_queries)
@@ -682,10 +689,10 @@ def qna_window_positions(H: int, W: int, *, kernel_size: int, stride: int = 1,
     """``[H_out, W_out, k*k, 2]`` int64: the ``(y, x)`` of each window's keys on the ``H x W``
     map, in :func:`qna2d_weights`' order; positions outside the map (a window at the border)
     are kept, with weight 0."""
-    for name, value in (("H", H), ("W", W), ("stride", stride)):
-        _check_int(value, name, fn="qna_window_positions")
-    _check_int(kernel_size, "kernel_size", odd=True, fn="qna_window_positions")
-    k, r = kernel_size, (kernel_size - 1) // 2
+    H, W, stride = (_check_int(value, name, fn="qna_window_positions")
+                    for name, value in (("H", H), ("W", W), ("stride", stride)))
+    k = _check_int(kernel_size, "kernel_size", odd=True, fn="qna_window_positions")
+    r = (k - 1) // 2
     ys = torch.arange(_out_size(H, stride), device=device) * stride - r
     xs = torch.arange(_out_size(W, stride), device=device) * stride - r
     offsets = torch.arange(k, device=device)

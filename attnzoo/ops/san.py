@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import backends, kernels
+from ._args import as_int
 
 __all__ = ["san_aggregation", "san_subtraction", "san_subtraction2", "san_neighbours",
            "PADDING_MODES"]
@@ -53,11 +54,13 @@ PADDING_MODES = ("reflect", "zeros")
 # --------------------------------------------------------------------------------------------
 
 def _pair(value: IntOrPair, name: str, fn: str) -> Tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, value
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return tuple(value)
+    one = as_int(value)  # (NumPy integers too)
+    if one is not None:
+        return one, one
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        each = tuple(as_int(v) for v in value)
+        if None not in each:
+            return each
     raise TypeError(f"{fn}: {name} must be an int or a pair of ints, got {value!r}")
 
 

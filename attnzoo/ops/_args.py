@@ -1,0 +1,17 @@
+"""Argument helpers the ops share."""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+
+def as_int(value) -> Optional[int]:
+    """``value`` as an int where it is one (a NumPy integer too), not a bool; else None."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
