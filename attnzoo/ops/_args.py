@@ -15,3 +15,10 @@ def as_int(value) -> Optional[int]:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def plain_int(value):
+    """An integer (a NumPy one too) as a Python int; anything else as given, for the op's
+    checks to refuse."""
+    one = as_int(value)
+    return value if one is None else one

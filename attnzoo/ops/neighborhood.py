@@ -40,6 +40,12 @@ IntOrTuple = Union[int, Sequence[int]]
 # argument checking
 # --------------------------------------------------------------------------------------------
 
+def _finite(x) -> bool:
+    """``math.isfinite(x)`` by comparisons, which a symbolic float (Dynamo's with
+    ``dynamic=True``) takes without a graph break."""
+    return x == x and abs(x) != math.inf
+
+
 def _as_tuple(value: IntOrTuple, n: int, name: str, fn: str = "") -> Tuple[int, ...]:
     one = as_int(value)
     if one is not None:
@@ -857,10 +863,6 @@ backends.on_reset(_natten.cache_clear, kernels.triton_missing.cache_clear,
 # --------------------------------------------------------------------------------------------
 # public ops
 # --------------------------------------------------------------------------------------------
-
-def _finite(x) -> bool:
-    return x == x and abs(x) != math.inf
-
 
 def _checked_call(q, k, v, kernel_size, dilation, rpb, scale, n: int, qkv):
     """:func:`_check_call` once per call metadata (:func:`attnzoo.backends.checked_once`:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import backends, kernels
-from ._args import as_int
+from ._args import as_int, plain_int
 
 __all__ = ["qna2d", "qna2d_weights", "qna_window_positions", "qna2d_reference",
            "qna2d_export", "qna_export_rows"]
@@ -639,8 +639,7 @@ def qna2d(logits: torch.Tensor, v: torch.Tensor, *, kernel_size: int, stride: in
         with ``sum_queries=False``; in ``v``'s dtype.
     """
     if type(kernel_size) is not int or type(stride) is not int:  # NumPy integers as ints
-        kernel_size, stride = (n if as_int(n) is None else as_int(n)
-                               for n in (kernel_size, stride))
+        kernel_size, stride = plain_int(kernel_size), plain_int(stride)
 
     def check():  # once per call metadata: the call's keys without and with gradients, and
         # whether a tensor is empty
