@@ -6,9 +6,9 @@ from typing import Optional
 
 
 def as_int(value) -> Optional[int]:
-    """``value`` as an int where it is one (a NumPy integer too), not a bool; else None."""
-    if type(value) is int:
-        return value
+    """``value`` as an int where it is one (a NumPy integer too), not a bool; else None.
+    (``operator.index`` on every value: torch 2.4's Dynamo specializes a symbolic int there,
+    for the backend choice's call key, where ``type(value) is int`` would pass it on.)"""
     if isinstance(value, bool):
         return None
     try:

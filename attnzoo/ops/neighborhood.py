@@ -903,8 +903,7 @@ def _autocast(*tensors):
 
 
 def _na(n, q, k, v, kernel_size, dilation, rpb, scale, backend, qkv=None):
-    if type(scale) not in (float, int) and isinstance(scale, numbers.Real) and not isinstance(
-            scale, bool):
+    if not isinstance(scale, (float, int)) and isinstance(scale, numbers.Real):
         scale = float(scale)  # (a NumPy float: the op's schema takes a Python float)
     if qkv is None and torch._C._is_any_autocast_enabled() and all(
             isinstance(t, torch.Tensor) for t in (q, k, v)):  # (else _check_call says why)
