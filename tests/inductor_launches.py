@@ -148,18 +148,22 @@ def compiled_call(make, call, dynamic_batch: bool = False) -> list:
         graphs.append(graph_kernels(gm))
         return gm
     torch._dynamo.reset()
-    compiled = torch.compile(call, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
-                             fullgraph=True)
     leaves = [t.requires_grad_() for t in make()]
     if dynamic_batch:
         torch._dynamo.mark_dynamic(leaves[0], 0)
+    train_as_cuda(call, leaves, aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    return graphs
+
+
+def train_as_cuda(fn, inputs, backend) -> None:
+    """``fn(*inputs)`` compiled with ``backend`` (fullgraph) and its backward run, on meta
+    tensors traced as CUDA ones are."""
     kernels._INDUCTOR_DEVICES = ("cuda", "meta")
     try:
-        out = compiled(*leaves)
+        out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
         out.backward(torch.empty_like(out))
     finally:
         kernels._INDUCTOR_DEVICES = ("cuda",)
-    return graphs
 
 
 def check_dynamic() -> dict:
@@ -317,15 +321,10 @@ def trace_training_steps() -> dict:
         with torch.device("meta"):
             model = build()
             x = torch.empty(2, 3, 32, 32)
-        kernels._INDUCTOR_DEVICES = ("cuda", "meta")
-        try:  # (no torch._dynamo.reset(): it empties the table of the graphs' kernels)
-            step = torch.compile(model.train(), fullgraph=True, backend=aot_autograd(
-                fw_compiler=keep(False), bw_compiler=keep(True),
-                decompositions=select_decomp_table()))
-            out = step(x)
-            out.backward(torch.empty_like(out))
-        finally:
-            kernels._INDUCTOR_DEVICES = ("cuda",)
+        # (no torch._dynamo.reset(): it empties the table of the graphs' kernels)
+        train_as_cuda(model.train(), [x], aot_autograd(
+            fw_compiler=keep(False), bw_compiler=keep(True),
+            decompositions=select_decomp_table()))
         found[name] = graphs
     return found
 

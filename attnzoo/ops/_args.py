@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Optional, Tuple
 
 
 def as_int(value) -> Optional[int]:
@@ -22,3 +22,15 @@ def plain_int(value):
     checks to refuse."""
     one = as_int(value)
     return value if one is None else one
+
+
+def as_ints(value, n: int) -> Optional[Tuple[int, ...]]:
+    """``value`` (an int, or a tuple or list of ``n``) as ``n`` ints, else None."""
+    one = as_int(value)
+    if one is not None:
+        return (one,) * n
+    if isinstance(value, (tuple, list)) and len(value) == n:
+        each = tuple(as_int(v) for v in value)
+        if None not in each:
+            return each
+    return None

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import backends, kernels
-from ._args import as_int
+from ._args import as_ints
 
 __all__ = ["na1d", "na2d", "na1d_qkv", "na2d_qkv", "na1d_qk", "na1d_av", "na2d_qk", "na2d_av",
            "na_window_positions", "na_reference", "na_export"]
@@ -47,13 +47,9 @@ def _finite(x) -> bool:
 
 
 def _as_tuple(value: IntOrTuple, n: int, name: str, fn: str = "") -> Tuple[int, ...]:
-    one = as_int(value)
-    if one is not None:
-        return (one,) * n
-    if isinstance(value, (tuple, list)) and len(value) == n:
-        each = [as_int(v) for v in value]
-        if None not in each:
-            return tuple(each)
+    ints = as_ints(value, n)
+    if ints is not None:
+        return ints
     raise TypeError(f"{fn + ': ' if fn else ''}{name} must be an int or a tuple of {n} ints, "
                     f"got {value!r}")
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import backends, kernels
-from ._args import as_int
+from ._args import as_ints
 
 __all__ = ["san_aggregation", "san_subtraction", "san_subtraction2", "san_neighbours",
            "PADDING_MODES"]
@@ -54,13 +54,9 @@ PADDING_MODES = ("reflect", "zeros")
 # --------------------------------------------------------------------------------------------
 
 def _pair(value: IntOrPair, name: str, fn: str) -> Tuple[int, int]:
-    one = as_int(value)  # (NumPy integers too)
-    if one is not None:
-        return one, one
-    if isinstance(value, (tuple, list)) and len(value) == 2:
-        each = tuple(as_int(v) for v in value)
-        if None not in each:
-            return each
+    ints = as_ints(value, 2)  # (NumPy integers too)
+    if ints is not None:
+        return ints
     raise TypeError(f"{fn}: {name} must be an int or a pair of ints, got {value!r}")
 
 
