@@ -134,3 +134,66 @@ def test_the_issue_45_qna_vit_snippet_compiles_its_backward():
     window-weight gradients, whose layout the fake misstated."""
     model = tiny_models.qna_vit(**tiny_models.QNA_VIT_TWO_STAGES)
     check_compiled_step(model, _images(32), tol=5e-2, autocast=torch.bfloat16)
+
+
+def test_train_py_s_torchcompile_path_on_the_kernels():
+    """timm's train.py with ``--torchcompile``: ``ClassificationTask.compile`` wraps the model in
+    ``torch.compile`` (no fullgraph) before training; the training steps (the loss outside the
+    compiled model, then SGD) and the validation after them (eval mode under ``no_grad``, its
+    last batch smaller) all go through that compiled model. On SAN pairwise: both SAN kernels,
+    and BatchNorm, whose running statistics the compiled training steps update and validation
+    reads. The losses, the weights after the steps and the validation logits equal eager's on
+    the same kernels; no graph breaks, and every graph (a training one, an eval one, one for
+    the last batch) calls the kernels."""
+    from timm.task import ClassificationTask
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append({str(n.target).split(".")[1] for n in gm.graph.nodes
+                       if n.op == "call_function" and str(n.target).startswith("attnzoo.")})
+        return torch._dynamo.lookup_backend(COMPILER)(gm, example_inputs)
+
+    def run(compile_backend):
+        model = tiny_models.randomize(tiny_models.san(**tiny_models.SAN_TWO_STAGES)).to(DEVICE)
+        task = ClassificationTask(model, criterion=torch.nn.CrossEntropyLoss(label_smoothing=0.1),
+                                  verbose=False)
+        if compile_backend:
+            task.compile(backend=compile_backend)
+        module = task.get_trainable_module()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        losses, logits = [], []
+        with attnzoo.use_backend("cuda"):
+            module.train()
+            for _ in range(2):
+                x = torch.randn(2, 3, 32, 32, generator=g).to(DEVICE)
+                target = torch.randint(0, 5, (2,), generator=g).to(DEVICE)
+                optimizer.zero_grad(set_to_none=True)
+                loss = task(x, target)["loss"]
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+            evaluated = task.get_eval_model()
+            evaluated.eval()
+            with torch.no_grad():
+                for batch in (2, 1):
+                    logits.append(evaluated(torch.randn(batch, 3, 32, 32, generator=g).to(
+                        DEVICE)).cpu())
+        return losses, model.state_dict(), logits
+
+    torch._dynamo.utils.counters.clear()
+    losses, state, logits = run(recording)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(
+        torch._dynamo.utils.counters["graph_break"])
+    assert len(graphs) == 3 and all(
+        {op.removesuffix(SUFFIX) for op in ops} == {"san_subtraction_fused",
+                                                    "san_aggregation_fused"}
+        for ops in graphs), graphs
+    eager_losses, eager_state, eager_logits = run(None)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-5)
+    for name, ref in eager_state.items():
+        torch.testing.assert_close(state[name].cpu(), ref.cpu(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{name} after the steps: {m}")
+    for got, ref in zip(logits, eager_logits):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
