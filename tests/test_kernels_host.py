@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import attnzoo
 from attnzoo import kernels
 
 if kernels.triton_missing():  # an optional dependency; its reason is shown (-ra)
@@ -225,3 +226,54 @@ def test_launches_captured_without_arguments_keep_no_tensor():
     with kernels.capture_launches() as launches:  # the default keeps them (compile_kernels.py)
         kn.na_fused(q, k, v, (3, 3), (1, 1), rpb, 0.5)
     assert launches[0][2][0] is q
+
+
+class _HostTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ATen ops that take or make a tensor off the meta device (a host tensor, a copy
+    between host and device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_flatten((args, kwargs, out))[0]
+        if any(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in flat):
+            self.ops.append(func.__name__)
+        return out
+
+
+# the launches of a step: NAT's 18 blocks launch 3 kernels each (forward, backward's dq and dk dv)
+@pytest.mark.parametrize("name, launches", [
+    ("nat_mini", 3 * 18), ("dinat_mini", 3 * 18), ("qna_vit_tiny", 30),
+    ("san10_pairwise", 70), ("san10_patchwise", 30)])
+def test_an_eager_training_step_on_the_kernels_leaves_the_device_only_to_launch(
+        name, launches, monkeypatch):
+    """Issue 46: no host-device synchronisation in a training step. A training step of each
+    family's registered model on the ``cuda`` backend, on meta tensors with the launches
+    captured (meta stands for the GPU: a read of a value back to the host, ``.item()`` or a
+    tensor's truth, raises on meta): every one of its NA, QnA or SAN layers launches the kernels
+    each way, and no op takes or makes a host tensor (no copy between host and device). On a
+    GPU, gpu_verify's bench runs the step under ``torch.cuda.set_sync_debug_mode("error")``."""
+    import timm
+    from attnzoo import backends
+    from attnzoo.kernels import qna, san
+    for module in (kn, qna, san):  # meta tensors are not CUDA tensors: told yes (as bench_host)
+        monkeypatch.setattr(module, "support", lambda *args, **kwargs: None)
+    backends.reset()
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(name).train()
+        x = torch.empty(2, 3, 224, 224, device="meta")
+        with attnzoo.use_backend("cuda"), kernels.capture_launches(arguments=False) as launched:
+            for _ in range(2):  # the second: warm call keys
+                launched.clear()
+                model.zero_grad(set_to_none=True)
+                with _HostTensors() as host:
+                    model(x).logsumexp(-1).mean().backward()
+                assert not host.ops, host.ops
+                assert len(launched) == launches
+    finally:
+        monkeypatch.undo()
+        backends.reset()
