@@ -824,10 +824,7 @@ def stage_models(stage: Stage) -> None:
         path = stage.work / f"{name}.json"
         part = json.loads(path.read_text()) if path.exists() else {}
         if name.startswith("compile:"):
-            model = name.partition(":")[2]
-            compiled.append(part.get("compile") or {
-                "model": model, "problem": f"no result ({statuses[name]}: "
-                                           f"{part.get('error', 'no error message')})"})
+            compiled.append(compile_finding(name.partition(":")[2], statuses[name], part))
         else:
             runs = part.get("models", [])
             done = {r["dtype"] for r in runs}
@@ -836,6 +833,16 @@ def stage_models(stage: Stage) -> None:
             models += runs
     stage.findings.update(models=models, compile=compiled, processes=statuses)
     stage.findings["failed"] = any(m.get("problem") for m in models + compiled)
+
+
+def compile_finding(model: str, status: str, part: dict) -> dict:
+    """The compile check's finding from what its worker saved (``part``) and how the worker
+    ended (``status``): one that did not finish (its worker raised, crashed or was stopped
+    after it began) is a problem, with the worker's error."""
+    found = dict(part.get("compile") or {"model": model, "problem": "no result"})
+    if found.get("problem") in ("no result", UNFINISHED):
+        found["problem"] += f" ({status}: {part.get('error', 'no error message')})"
+    return found
 
 
 def _relative(a, b) -> float:
@@ -935,6 +942,9 @@ def _compare_backends(stage: Stage, model, x, name: str) -> None:
             stage.save()
 
 
+UNFINISHED = "did not finish"
+
+
 def _compile_check(stage: Stage, name: str) -> None:
     """torch.compile(fullgraph=True) of a training step of model ``name`` on the cuda backend
     (Inductor; a dry run: AOT autograd with Inductor's decompositions, no code generation, every
@@ -951,7 +961,8 @@ def _compile_check(stage: Stage, name: str) -> None:
     model = timm.create_model(name, **kwargs).to(stage.device).train()
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(
         stage.device)
-    f = stage.findings["compile"] = {"model": name, "batch": batch}
+    # a problem until it ends (a raise below leaves it so: stage_models adds the error)
+    f = stage.findings["compile"] = {"model": name, "batch": batch, "problem": UNFINISHED}
     graphs = []
 
     def counting(gm, example_inputs):  # Dynamo's graphs, then the real compiler
@@ -1069,7 +1080,11 @@ def _warm_process(stage: Stage, item: str) -> subprocess.Popen:
         env.update(TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(
             caches / "inductor"), ATTNZOO_AUTOTUNE_CACHE=str(caches / "autotune.json"))
     elif item.startswith("compile:"):
-        env["ATTNZOO_AUTOTUNE"] = "0"  # compiles only: no kernel timed beside others' compiles
+        # compiles only: no kernel timed beside others' compiles. Its graphs hold the untuned
+        # choices: Inductor's cache keys by the launches' constants, so the bench's compile
+        # after tuning reuses the graphs only where they agree; the autograd cache keys by the
+        # kernels' source alone, and would hand the bench the untuned graphs: not written
+        env.update(ATTNZOO_AUTOTUNE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "warm", "--arg", item,
            "--work", str(stage.work), "--out", str(stage.out),
            "--deadline", str(stage.deadline)] + (["--dry-run"] if stage.dry else [])
@@ -1207,7 +1222,7 @@ def first_table(rows: List[dict]) -> str:
     from attnzoo.profiling import table
     return table(["model", "caches", "first training step, s", "second step, s"], [
         [r.get("model", "?"), r.get("cache", "?"), f"{r['first_s']:.2f}" if r.get("first_s")
-         else r.get("problem", "-"), f"{r['second_s']:.2f}" if r.get("second_s") else "-"]
+         else r.get("problem") or r.get("error") or "-", f"{r['second_s']:.2f}" if r.get("second_s") else "-"]
         for r in rows])
 
 

@@ -201,6 +201,30 @@ def test_the_verdict_holds_each_finding_against_its_family_and_dtype():
     assert gpu_verify._problems("tests", {}, "san", "float32") == ["no test result"]
 
 
+def test_a_compile_check_that_did_not_finish_fails_its_family():
+    """A compile check whose worker raised after the check began (its eager step out of
+    memory, say: the finding saved then has no result) is a problem with the worker's error,
+    as is one that saved nothing; a finished one is kept as it is."""
+    began = {"compile": {"model": "san10_pairwise", "batch": 8,
+                         "problem": gpu_verify.UNFINISHED},
+             "error": "OutOfMemoryError: CUDA out of memory."}
+    found = gpu_verify.compile_finding("san10_pairwise", "error", began)
+    assert found["problem"] == "did not finish (error: OutOfMemoryError: CUDA out of memory.)"
+    assert gpu_verify._problems("models", {"compile": [found]}, "san", "float32") == [
+        f"torch.compile of san10_pairwise: {found['problem']}"]
+    assert gpu_verify.compile_finding("nat_mini", "killed by SIGKILL", {}) == {
+        "model": "nat_mini", "problem": "no result (killed by SIGKILL: no error message)"}
+    done = {"compile": {"model": "nat_mini", "graphs": 1, "error": 1e-7, "problem": None}}
+    assert gpu_verify.compile_finding("nat_mini", "passed", done) == done["compile"]
+
+
+def test_a_first_step_that_raised_shows_its_error():
+    text = gpu_verify.first_table([
+        {"model": "nat_tiny", "cache": "cold", "error": "RuntimeError: no configuration fits"},
+        {"model": "swin_tiny", "cache": "cold", "first_s": 1.5, "second_s": 0.1}])
+    assert "RuntimeError: no configuration fits" in text and "1.50" in text
+
+
 def test_the_models_table_marks_issue_46s_targets_against_swin_in_the_same_column():
     rows = [dict(model=gpu_verify.SWIN, mode=m, kind=k, img_s=100.0)
             for m in gpu_verify.MODES for k in ("train", "infer")]
