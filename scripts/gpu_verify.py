@@ -1223,8 +1223,8 @@ def first_table(rows: List[dict]) -> str:
     from attnzoo.profiling import table
     return table(["model", "caches", "first training step, s", "second step, s"], [
         [r.get("model", "?"), r.get("cache", "?"), f"{r['first_s']:.2f}" if r.get("first_s")
-         else r.get("problem") or r.get("error") or "-", f"{r['second_s']:.2f}" if r.get("second_s") else "-"]
-        for r in rows])
+         else r.get("problem") or r.get("error") or "-",  # (a worker that raised: its error)
+         f"{r['second_s']:.2f}" if r.get("second_s") else "-"] for r in rows])
 
 
 def _bench_setup(stage: Stage, name: str):
