@@ -68,7 +68,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import attnzoo  # noqa: E402
-from attnzoo import backends, kernels  # noqa: E402
+from attnzoo import kernels  # noqa: E402
 from attnzoo.ops import na2d_qkv, qna2d, san_aggregation, san_subtraction2  # noqa: E402
 
 TARGET = {"fwd": 25.0, "fwd+bwd": 60.0}
@@ -77,15 +77,6 @@ STEP_MODELS = ("nat_tiny", "dinat_tiny", "qna_vit_tiny", "san10_patchwise",
                "swin_tiny_patch4_window7_224")
 COPIES = ("copy_", "_to_copy", "clone", "select_backward", "stack")
 CHAIN = 20  # forward + backward: calls per backward
-
-
-def _kernels_on_any_device():
-    """The kernel families' support checks told yes: meta and CPU tensors are not CUDA tensors
-    (as scripts/compile_kernels.py does); the launches are captured, never run."""
-    from attnzoo.kernels import neighborhood, qna, san
-    for module in (neighborhood, qna, san):
-        module.support = lambda *args, **kwargs: None
-    backends.reset()
 
 
 def _calls(device: str, batch: int) -> Dict[str, Callable[[bool], Callable[[str], torch.Tensor]]]:
@@ -527,23 +518,24 @@ def main(argv: List[str] = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
     shown = [a for a in argv if a not in ("--write", args.write, "--json", args.json)]
-    caching = False
+    caching, steps = False, []
     if args.device == "cuda":
         rows = measure_gpu_calls(args.number, args.repeat)
     else:
         caching = not args.glibc_trimming and caching_malloc()
         print("glibc's malloc keeps freed memory (a caching allocator)" if caching else
               "the C library's malloc as it is", file=sys.stderr)
-        _kernels_on_any_device()
         simulated = not args.no_simulated_gpu and not kernels._interpreted()
         if not simulated:
             print("no simulated GPU columns: " + ("--no-simulated-gpu" if args.no_simulated_gpu
                   else "the kernels are interpreted (TRITON_INTERPRET)"), file=sys.stderr)
-        rows = measure_calls(args.number, args.repeat, simulated)
+        # meta and CPU tensors are not CUDA tensors: the launches are captured, never run
+        with kernels.supported_anywhere():
+            rows = measure_calls(args.number, args.repeat, simulated)
+            if args.steps:
+                steps = measure_steps(args.models, args.batch, max(args.repeat // 2, 1))
     text = calls_table(rows, shown, caching)
-    steps = []
-    if args.steps and args.device == "cpu":
-        steps = measure_steps(args.models, args.batch, max(args.repeat // 2, 1))
+    if steps:
         text += "\n" + steps_table(steps, args.batch)
     print(text)
     if args.json:

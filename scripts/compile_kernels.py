@@ -63,8 +63,6 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 import attnzoo  # noqa: E402
 from attnzoo import backends, kernels  # noqa: E402
 from attnzoo.kernels import neighborhood as kn  # noqa: E402
-from attnzoo.kernels import qna as kq  # noqa: E402
-from attnzoo.kernels import san as ks  # noqa: E402
 from attnzoo.kernels.tiling import LOG2E  # noqa: E402
 from attnzoo.layers import neighborhood as na_layer  # noqa: E402
 from attnzoo.profiling import first_line  # noqa: E402
@@ -79,7 +77,8 @@ KERNELS = {"_na_fwd_kernel": "fwd", "_na_bwd_dq_kernel": "dq", "_na_bwd_dkdv_ker
 # family -> its ops (none: NA, captured from the models) and the BENCHMARKS.md block it writes
 FAMILIES = {"na": ((), "table"), "qna": (("qna2d",), "qna san table"),
             "san": (("san_aggregation", "san_subtraction", "san_subtraction2"), "qna san table")}
-OP_KERNELS = {"qna2d": kq, "san_aggregation": ks, "san_subtraction": ks, "san_subtraction2": ks}
+OP_FAMILY = {"qna2d": "qna", "san_aggregation": "san", "san_subtraction": "san",
+             "san_subtraction2": "san"}  # (attnzoo.kernels' family names)
 
 
 def markers(block: str) -> Tuple[str, str]:
@@ -162,18 +161,13 @@ def example_launches(op: str, dtype: torch.dtype) -> Dict[str, List[tuple]]:
     """Example label -> the launches (jit function, args, kwargs) of ``op``'s registered example
     on the ``cuda`` backend, forward and backward, captured on meta tensors (the kernel module's
     support check is told yes: meta tensors are not CUDA tensors)."""
-    module = OP_KERNELS[op]
     out = {}
-    real, module.support = module.support, lambda *args: None
-    try:
+    with kernels.supported_anywhere(OP_FAMILY[op]):
         for label, run in backends.op_examples(op, "meta", dtype):
             backends.reset()
             with kernels.capture_launches() as launches:
                 run("cuda").float().sum().backward()
             out[f"{op} {label}"] = [(fn, args, kwargs) for fn, _, args, kwargs in launches]
-    finally:
-        module.support = real
-        backends.reset()
     return out
 
 

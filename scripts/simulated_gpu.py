@@ -129,19 +129,8 @@ def attnzoo_kernels() -> List[Any]:
 def simulated_gpu(arch: int = 90, record: bool = True) -> Iterator[SimulatedGPU]:
     """A :class:`SimulatedGPU` watching attnzoo's kernels, their support checks told yes (CPU
     tensors are not CUDA tensors; the launches never run)."""
-    from attnzoo import backends
-    from attnzoo.kernels import neighborhood, qna, san
-    modules = (neighborhood, qna, san)
-    supports = [module.support for module in modules]
-    for module in modules:
-        module.support = lambda *args, **kwargs: None
-    backends.reset()
+    from attnzoo import kernels
     gpu = SimulatedGPU(arch, record)
     gpu.watch(*attnzoo_kernels())
-    try:
-        with gpu:
-            yield gpu
-    finally:
-        for module, support in zip(modules, supports):
-            module.support = support
-        backends.reset()
+    with kernels.supported_anywhere(), gpu:
+        yield gpu

@@ -39,7 +39,7 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
-from attnzoo import backends, kernels  # noqa: E402
+from attnzoo import kernels  # noqa: E402
 from attnzoo.kernels import neighborhood, qna, san  # noqa: E402
 from attnzoo.ops import na2d_qkv, qna2d, san_aggregation, san_subtraction2  # noqa: E402
 
@@ -47,15 +47,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 import tiny_models  # noqa: E402
 
 H100 = kernels.DeviceInfo("NVIDIA H100", (9, 0), 232448)
-
-
-def on_any_device():
-    """The families' support checks told yes (meta and fake CUDA tensors on a machine without
-    one), NA's device query answered as an H100's."""
-    for module in (neighborhood, qna, san):
-        module.support = lambda *args, **kwargs: None
-    neighborhood.device_info = lambda device: H100
-    backends.reset()
 
 
 def calls(device: str):
@@ -407,8 +398,9 @@ def check_cudagraphs(traced: dict) -> dict:
 
 def main() -> None:
     os.environ["ATTNZOO_AUTOTUNE"] = "0"  # (no real CUDA tensors to tune a trace's calls on)
-    on_any_device()
-    # (Triton's driver gives the target whose compile tells torch which tensors a kernel writes)
+    neighborhood.device_info = lambda device: H100  # NA's device query, answered as an H100's
+    # (Triton's driver gives the target whose compile tells torch which tensors a kernel writes;
+    # simulated_gpu tells the families' support checks yes, for meta and fake CUDA tensors too)
     with simulated_gpu(90):
         joint, dynamic, steps = check_joint(), check_dynamic(), trace_training_steps()
         inductor = check_inductor()  # (the simulated CUDA from here on: no more Dynamo)

@@ -76,8 +76,8 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
 __all__ = ["triton_missing", "interpreter_enabled", "DeviceInfo", "device_info", "KernelLimits",
            "Autotuner", "Verification", "records", "record_files", "verified", "unverified",
-           "launch_on_device", "capture_launches", "capturing", "kernel_op", "KernelOp",
-           "inductor_launches", "traced", "eager", "can_tune",
+           "launch_on_device", "capture_launches", "capturing", "supported_anywhere", "kernel_op",
+           "KernelOp", "inductor_launches", "traced", "eager", "can_tune",
            "will_tune", "TuningStore", "tuning_cache_path", "tuning_scope", "allocation",
            "kernels_digest", "source_digest", "INT32_MAX", "wide_offsets", "narrow_offsets",
            "joined"]
@@ -277,6 +277,28 @@ def capture_launches(arguments: bool = True) -> Iterator[List[tuple]]:
         yield _captured
     finally:
         _captured, _captured_args = previous
+
+
+@contextlib.contextmanager
+def supported_anywhere(*families: str) -> Iterator[None]:
+    """Within it, the support check of each family in ``families`` (default: every family)
+    says yes on any device: for tensors that stand for CUDA ones on a machine without a GPU
+    (meta tensors whose launches :func:`capture_launches` records, CPU tensors on
+    scripts/simulated_gpu.py's GPU). The backends' choices, made by those checks, are reset on
+    entry and exit."""
+    import importlib
+    from .. import backends
+    modules = [importlib.import_module(f"{__name__}.{f}") for f in families or FAMILIES]
+    checks = [m.support for m in modules]
+    for module in modules:
+        module.support = lambda *args, **kwargs: None
+    backends.reset()
+    try:
+        yield
+    finally:
+        for module, check in zip(modules, checks):
+            module.support = check
+        backends.reset()
 
 
 def launch_arguments(kernel: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
