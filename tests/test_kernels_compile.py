@@ -51,6 +51,12 @@ def _step(model, x, backend, autocast=None):
     return logits.detach().float().cpu(), [g.float().cpu() for g in grads]
 
 
+def _attnzoo_ops(gm) -> list:
+    """The names of the attnzoo ops that Dynamo's graph ``gm`` calls."""
+    return [str(n.target).split(".")[1] for n in gm.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("attnzoo.")]
+
+
 def check_compiled_step(model, inputs, tol=1e-4, autocast=None) -> set:
     """For each input: the compiled step on ``cuda`` equals the eager step on ``cuda`` (same
     kernels: within float32 reordering) and on ``torch`` (within ``tol``, gradients relative to
@@ -64,8 +70,7 @@ def check_compiled_step(model, inputs, tol=1e-4, autocast=None) -> set:
     ops = set()
 
     def recording(gm, example_inputs):
-        names = [str(n.target).split(".")[1] for n in gm.graph.nodes
-                 if n.op == "call_function" and str(n.target).startswith("attnzoo.")]
+        names = _attnzoo_ops(gm)
         assert all(name.endswith(SUFFIX) for name in names), names
         ops.update(name[:len(name) - len(SUFFIX)] for name in names)
         return torch._dynamo.lookup_backend(COMPILER)(gm, example_inputs)
@@ -150,8 +155,7 @@ def test_train_py_s_torchcompile_path_on_the_kernels():
     graphs = []
 
     def recording(gm, example_inputs):
-        graphs.append({str(n.target).split(".")[1] for n in gm.graph.nodes
-                       if n.op == "call_function" and str(n.target).startswith("attnzoo.")})
+        graphs.append(set(_attnzoo_ops(gm)))
         return torch._dynamo.lookup_backend(COMPILER)(gm, example_inputs)
 
     def run(compile_backend):
