@@ -36,7 +36,9 @@ us, forward + backward <= 60 us.
 timm's swin_tiny, on meta tensors at batch 32: the ATen ops dispatched, the copies among them
 (``copy_``, ``_to_copy``, ``clone``, ``select_backward``, ``stack``: what a GPU runs as copy
 kernels), the kernel launches captured and the host milliseconds of the step, where torch's
-Python meta functions dominate (a LayerNorm's forward and backward take some 3 ms there); and
+Python meta functions dominate (a LayerNorm's forward and backward take some 3 ms there); the
+same step with torch's C++ meta functions wherever an op has one, as a GPU's host computes an
+op's output shape (``cpp_meta_functions``, in a process of its own); and
 the copies and host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1
 (QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++ as on a
 GPU's host, their CPU work included: small, but for Swin's window attention, which does not
@@ -359,11 +361,12 @@ NARROW = {"nat_mini": dict(embed_dim=2), "nat_tiny": dict(embed_dim=2),
           "qna_vit_tiny": dict(embed_dim=16), "swin_tiny_patch4_window7_224": dict(embed_dim=3)}
 
 
-def measure_steps(models, batch: int, repeat: int) -> List[dict]:
+def measure_steps(models, batch: int, repeat: int, narrow: bool = True) -> List[dict]:
     """Per model: ATen ops, copies and launches of a training step on meta tensors at
-    ``batch``, its host ms there, and (models in NARROW) on CPU tensors, narrowed, batch 1.
-    A step is a training step of timm's train.py: gradients set to None, forward, loss,
-    backward."""
+    ``batch``, its host ms there, and (``narrow``, models in NARROW) on CPU tensors, narrowed,
+    batch 1; with ``narrow``, also its host ms on meta tensors with torch's C++ meta functions
+    (:func:`cpp_meta_steps`). A step is a training step of timm's train.py: gradients set to
+    None, forward, loss, backward."""
     import timm
     rows = []
     for i, name in enumerate(models):
@@ -380,13 +383,50 @@ def measure_steps(models, batch: int, repeat: int) -> List[dict]:
             launched = len(launches)
             ms = _best_ms(step, launches, repeat)
             # (a narrow step takes some 30 ms: ten of them, the best kept)
-            narrow_ms, narrow_copies = _narrow(name, launches, 10) if name in NARROW else (
-                None, None)
+            narrow_ms, narrow_copies = _narrow(name, launches, 10) if (
+                narrow and name in NARROW) else (None, None)
         ops = counted.ops
         rows.append(dict(model=name, ops=sum(ops.values()), copies=sum(ops[c] for c in COPIES),
                          narrow_copies=narrow_copies, launches=launched, ms=ms,
                          narrow_ms=narrow_ms))
+    if narrow:
+        cpp = cpp_meta_steps(models, batch, repeat)
+        for r in rows:
+            r["cpp_ms"], r["cpp_ops"] = cpp[r["model"]]["ms"], cpp[r["model"]]["ops"]
     return rows
+
+
+def cpp_meta_functions() -> None:
+    """Meta tensors dispatched, in this process, to torch's C++ meta functions wherever an op
+    has one, as on a GPU's host (a structured kernel's is the shape computation its CUDA kernel
+    runs), not to the Python ones that torch registers over them for tracing
+    (``torch._meta_registrations``: a LayerNorm's forward and backward ~3 ms, an elementwise
+    ``mul`` ~0.4 ms); an op with no C++ one keeps its Python one. Not undone: for a process of
+    its own (``--cpp-meta``)."""
+    import torch._meta_registrations as registrations
+    python = registrations._meta_lib_dont_use_me_use_register_meta
+    names = [key.split("/")[1] for key in python._op_impls]  # "aten/add.Tensor/Meta"
+    python._destroy()
+    global _PYTHON_ONLY  # kept alive: a Library's registrations end with it
+    _PYTHON_ONLY = torch.library.Library("aten", "IMPL")
+    for name in names:
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+            op, _, overload = name.partition(".")
+            overload = getattr(getattr(torch.ops.aten, op), overload or "default")
+            _PYTHON_ONLY.impl(name, overload.py_kernels[torch._C.DispatchKey.Meta], "Meta")
+
+
+def cpp_meta_steps(models, batch: int, repeat: int) -> Dict[str, dict]:
+    """The meta step of :func:`measure_steps` with torch's C++ meta functions
+    (:func:`cpp_meta_functions`), in a process of its own: per model, its ops and host ms."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "steps.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cpp-meta", "--models",
+                        *models, "--batch", str(batch), "--repeat", str(repeat), "--json",
+                        str(out)], check=True, stdout=subprocess.DEVNULL)
+        return {r["model"]: r for r in json.loads(out.read_text())["steps"]}
 
 
 def _narrow(name: str, launches: list, repeat: int) -> Tuple[float, int]:
@@ -473,23 +513,26 @@ def steps_table(rows: List[dict], batch: int) -> str:
     lines = ["", f"Training step (gradients set to None, forward, logsumexp loss, backward), "
                  "224 px, launches captured, fp32 (no autocast without CUDA). On meta tensors, "
                  f"batch {batch}: ATen ops, copies ({', '.join(COPIES)}), kernel launches, host "
-                 "ms (torch's Python meta functions included); narrow: copies and host ms on "
-                 "CPU tensors, batch 1, the model at head dim 1 (QnA-ViT 2) with its depths, "
-                 "heads and windows (the same ops in C++, their CPU work included: Swin's "
-                 "window attention among it, attnzoo's kernels not); x: over swin_tiny's.", "",
+                 "ms with torch's Python meta functions (as torch registers them, for tracing) "
+                 "and with its C++ ones where an op has one (as a GPU's host computes shapes; "
+                 "the same ops); narrow: copies and host ms on CPU tensors, batch 1, the model "
+                 "at head dim 1 (QnA-ViT 2) with its depths, heads and windows (the same ops in "
+                 "C++, their CPU work included: Swin's window attention among it, attnzoo's "
+                 "kernels not); x: over swin_tiny's.", "",
              "| model | ATen ops | copies, meta | copies, narrow | launches | host ms, meta | "
-             "host ms, narrow | ops x | meta x | narrow x |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "host ms, C++ meta | host ms, narrow | ops x | meta x | C++ meta x | narrow x |",
+             "|---" * 12 + "|"]
     for r in rows:
         def ratio(key):
-            if not anchor or r[key] is None or anchor[key] is None:
+            if not anchor or r.get(key) is None or anchor.get(key) is None:
                 return "-"
             return f"{r[key] / anchor[key]:.2f}"
         narrow = "-" if r["narrow_ms"] is None else f"{r['narrow_ms']:.1f}"
         copies = "-" if r["narrow_copies"] is None else r["narrow_copies"]
         lines.append(f"| {r['model']} | {r['ops']} | {r['copies']} | {copies} | "
-                     f"{r['launches']} | {r['ms']:.0f} | {narrow} | {ratio('ops')} | "
-                     f"{ratio('ms')} | {ratio('narrow_ms')} |")
+                     f"{r['launches']} | {r['ms']:.0f} | {r['cpp_ms']:.0f} | {narrow} | "
+                     f"{ratio('ops')} | {ratio('ms')} | {ratio('cpp_ms')} | "
+                     f"{ratio('narrow_ms')} |")
     return "\n".join(lines)
 
 
@@ -514,7 +557,14 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--glibc-trimming", action="store_true",
                    help="leave glibc's malloc returning freed memory to the OS (default on "
                         "CPU: it keeps it, as a GPU's caching allocator does)")
+    p.add_argument("--cpp-meta", action="store_true", help=argparse.SUPPRESS)  # (steps_table)
     args = p.parse_args(argv)
+    if args.cpp_meta:  # cpp_meta_steps' process: the meta steps alone, --repeat as given
+        cpp_meta_functions()
+        with kernels.supported_anywhere():
+            steps = measure_steps(args.models, args.batch, args.repeat, narrow=False)
+        Path(args.json).write_text(json.dumps(dict(steps=steps)))
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
     shown = [a for a in argv if a not in ("--write", args.write, "--json", args.json)]

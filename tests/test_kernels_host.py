@@ -4,6 +4,7 @@ tests/test_kernels_compile.py), a warm call key redoes nothing that depends only
 untuned choice made where tuning cannot happen (tracing, CUDA-graph capture) is not kept, and
 scripts/bench_host.py runs."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -193,21 +194,26 @@ def test_an_untuned_choice_is_kept_only_where_no_call_will_tune(monkeypatch):
     assert plans == ["fwd"] * 3 and len(tuned) == 1
 
 
-def test_bench_host_runs_its_tables(capsys):
+def test_bench_host_runs_its_tables(capsys, tmp_path):
     from attnzoo.kernels import qna, san
     checks = [module.support for module in (kn, qna, san)]
     spec = importlib.util.spec_from_file_location("bench_host", ROOT / "scripts" / "bench_host.py")
     bench_host = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_host)
     assert bench_host.main(["--number", "4", "--repeat", "1", "--steps", "--models", "nat_mini",
-                            "--batch", "1"]) == 0
+                            "--batch", "1", "--json", str(tmp_path / "rows.json")]) == 0
     out = capsys.readouterr().out
     assert "| na2d_qkv nat_tiny s3 7x7 h16 k7 rpb | fwd+bwd |" in out
     assert "glibc's malloc keeping freed memory" in out  # (this machine's C library)
     row = next(line for line in out.splitlines() if line.startswith("| nat_mini |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 10 and float(cells[5]) > 0 and float(cells[6]) > 0  # meta, narrow ms
+    assert len(cells) == 12 and float(cells[7]) > 0  # narrow ms
     assert int(cells[2]) >= int(cells[3])  # copies on meta and narrow
+    # the same step with torch's C++ meta functions (a process of its own): its ops the same,
+    # its time well under the Python meta functions' (LayerNorm's alone some 3 ms each way)
+    [step] = json.loads((tmp_path / "rows.json").read_text())["steps"]
+    assert step["cpp_ops"] == step["ops"] == int(cells[1])
+    assert 0 < step["cpp_ms"] < 0.7 * step["ms"], step
     # the script told every support check yes while it measured only
     assert [module.support for module in (kn, qna, san)] == checks
 
