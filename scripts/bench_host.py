@@ -37,8 +37,9 @@ timm's swin_tiny, on meta tensors at batch 32: the ATen ops dispatched, the copi
 (``copy_``, ``_to_copy``, ``clone``, ``select_backward``, ``stack``: what a GPU runs as copy
 kernels), the kernel launches captured and the host milliseconds of the step, where torch's
 Python meta functions dominate (a LayerNorm's forward and backward take some 3 ms there); the
-same step with torch's C++ meta functions wherever an op has one, as a GPU's host computes an
-op's output shape (``cpp_meta_functions``, in a process of its own); and
+same step with meta functions at a GPU host's cost, a shape computation ("shape meta": torch's
+C++ meta function or composite where an op has one, shape-only ones for LayerNorm and ``roll``;
+``shape_meta_functions``, in a process of its own); and
 the copies and host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1
 (QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++ as on a
 GPU's host, their CPU work included: small, but for Swin's window attention, which does not
@@ -364,8 +365,8 @@ NARROW = {"nat_mini": dict(embed_dim=2), "nat_tiny": dict(embed_dim=2),
 def measure_steps(models, batch: int, repeat: int, narrow: bool = True) -> List[dict]:
     """Per model: ATen ops, copies and launches of a training step on meta tensors at
     ``batch``, its host ms there, and (``narrow``, models in NARROW) on CPU tensors, narrowed,
-    batch 1; with ``narrow``, also its host ms on meta tensors with torch's C++ meta functions
-    (:func:`cpp_meta_steps`). A step is a training step of timm's train.py: gradients set to
+    batch 1; with ``narrow``, also its host ms on meta tensors with meta functions at a GPU
+    host's cost (:func:`shape_meta_steps`). A step is a training step of timm's train.py: gradients set to
     None, forward, loss, backward."""
     import timm
     rows = []
@@ -390,46 +391,65 @@ def measure_steps(models, batch: int, repeat: int, narrow: bool = True) -> List[
                          narrow_copies=narrow_copies, launches=launched, ms=ms,
                          narrow_ms=narrow_ms))
     if narrow:
-        cpp = cpp_meta_steps(models, batch, repeat)
+        shaped = shape_meta_steps(models, batch, repeat)
         for r in rows:
-            r["cpp_ms"], r["cpp_ops"] = (cpp[r["model"]]["ms"], cpp[r["model"]]["ops"]) if (
-                cpp) else (None, None)
+            r["shape_ms"], r["shape_ops"] = (shaped[r["model"]]["ms"], shaped[r["model"]][
+                "ops"]) if shaped else (None, None)
     return rows
 
 
-def cpp_meta_functions() -> None:
-    """Meta tensors dispatched, in this process, to torch's C++ meta functions wherever an op
-    has one, as on a GPU's host (a structured kernel's is the shape computation its CUDA kernel
-    runs), not to the Python ones that torch registers over them for tracing
-    (``torch._meta_registrations``: a LayerNorm's forward and backward ~3 ms, an elementwise
-    ``mul`` ~0.4 ms); an op with no C++ one keeps its Python one. Not undone: for a process of
-    its own (``--cpp-meta``)."""
+def shape_meta_functions() -> None:
+    """Meta tensors dispatched, in this process, to meta functions at a GPU host's cost, a shape
+    computation, not to the Python ones torch registers for tracing
+    (``torch._meta_registrations``, FakeTensor's: a LayerNorm's ~3 ms each way, an elementwise
+    ``mul``'s ~0.4 ms). Torch's C++ meta function or C++ composite where an op has one (a
+    structured kernel's meta function is the shape computation its CUDA kernel runs); a
+    shape-only one for LayerNorm's forward and backward and ``roll``, whose meta functions
+    compute on the meta tensors (LayerNorm's composite through ``var_mean``'s Python), with the
+    contiguous outputs their CUDA kernels allocate; torch's Python one for the rest, convolution
+    among them (its C++ composite does not run on meta). Not undone: for a process of its own
+    (``--shape-meta``)."""
     import torch._meta_registrations as registrations
     python = registrations._meta_lib_dont_use_me_use_register_meta
     names = [key.split("/")[1] for key in python._op_impls]  # "aten/add.Tensor/Meta"
     python._destroy()
-    global _PYTHON_ONLY  # kept alive: a Library's registrations end with it
-    _PYTHON_ONLY = torch.library.Library("aten", "IMPL")
+    global _REGISTERED  # kept alive: a Library's registrations end with it
+    _REGISTERED = torch.library.Library("aten", "IMPL")
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
     for name in names:
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+        if name.startswith("convolution") or not any(has(f"aten::{name}", key) for key in (
+                "Meta", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")):
             op, _, overload = name.partition(".")
             overload = getattr(getattr(torch.ops.aten, op), overload or "default")
-            _PYTHON_ONLY.impl(name, overload.py_kernels[torch._C.DispatchKey.Meta], "Meta")
+            _REGISTERED.impl(name, overload.py_kernels[torch._C.DispatchKey.Meta], "Meta")
+    like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
+
+    def layer_norm(x, shape, weight, bias, eps):
+        stats = x.shape[:x.dim() - len(shape)] + (1,) * len(shape)
+        return like(x), x.new_empty(stats), x.new_empty(stats)
+
+    def layer_norm_backward(grad, x, shape, mean, rstd, weight, bias, mask):
+        return tuple(like(t) if wanted and t is not None else None
+                     for t, wanted in zip((x, weight, bias), mask))
+
+    _REGISTERED.impl("native_layer_norm", layer_norm, "Meta")
+    _REGISTERED.impl("native_layer_norm_backward", layer_norm_backward, "Meta")
+    _REGISTERED.impl("roll", lambda x, shifts, dims=(): like(x), "Meta")
 
 
-def cpp_meta_steps(models, batch: int, repeat: int) -> Dict[str, dict]:
-    """The meta step of :func:`measure_steps` with torch's C++ meta functions
-    (:func:`cpp_meta_functions`), in a process of its own: per model, its ops and host ms;
+def shape_meta_steps(models, batch: int, repeat: int) -> Dict[str, dict]:
+    """The meta step of :func:`measure_steps` with meta functions at a GPU host's cost
+    (:func:`shape_meta_functions`), in a process of its own: per model, its ops and host ms;
     nothing where that process failed (torch's private registrations it reads moved, say)."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "steps.json"
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cpp-meta",
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--shape-meta",
                                "--models", *models, "--batch", str(batch), "--repeat",
                                str(repeat), "--json", str(out)], stdout=subprocess.DEVNULL)
         if proc.returncode:
-            print(f"no C++ meta column: its process failed (exit {proc.returncode})",
+            print(f"no shape-meta column: its process failed (exit {proc.returncode})",
                   file=sys.stderr)
             return {}
         return {r["model"]: r for r in json.loads(out.read_text())["steps"]}
@@ -520,13 +540,13 @@ def steps_table(rows: List[dict], batch: int) -> str:
                  "224 px, launches captured, fp32 (no autocast without CUDA). On meta tensors, "
                  f"batch {batch}: ATen ops, copies ({', '.join(COPIES)}), kernel launches, host "
                  "ms with torch's Python meta functions (as torch registers them, for tracing) "
-                 "and with its C++ ones where an op has one (as a GPU's host computes shapes; "
-                 "the same ops); narrow: copies and host ms on CPU tensors, batch 1, the model "
+                 "and with meta functions at a GPU host's cost (shape meta: torch's C++ ones "
+                 "where it has them, shape-only ones for LayerNorm and roll); narrow: copies and host ms on CPU tensors, batch 1, the model "
                  "at head dim 1 (QnA-ViT 2) with its depths, heads and windows (the same ops in "
                  "C++, their CPU work included: Swin's window attention among it, attnzoo's "
                  "kernels not); x: over swin_tiny's.", "",
              "| model | ATen ops | copies, meta | copies, narrow | launches | host ms, meta | "
-             "host ms, C++ meta | host ms, narrow | ops x | meta x | C++ meta x | narrow x |",
+             "host ms, shape meta | host ms, narrow | ops x | meta x | shape meta x | narrow x |",
              "|---" * 12 + "|"]
     for r in rows:
         def ratio(key):
@@ -535,9 +555,9 @@ def steps_table(rows: List[dict], batch: int) -> str:
             return f"{r[key] / anchor[key]:.2f}"
         copies = "-" if r["narrow_copies"] is None else r["narrow_copies"]
         lines.append(f"| {r['model']} | {r['ops']} | {r['copies']} | {copies} | "
-                     f"{r['launches']} | {r['ms']:.0f} | {_f(r['cpp_ms'], 0)} | "
+                     f"{r['launches']} | {r['ms']:.0f} | {_f(r['shape_ms'], 0)} | "
                      f"{_f(r['narrow_ms'])} | {ratio('ops')} | {ratio('ms')} | "
-                     f"{ratio('cpp_ms')} | {ratio('narrow_ms')} |")
+                     f"{ratio('shape_ms')} | {ratio('narrow_ms')} |")
     return "\n".join(lines)
 
 
@@ -562,10 +582,13 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--glibc-trimming", action="store_true",
                    help="leave glibc's malloc returning freed memory to the OS (default on "
                         "CPU: it keeps it, as a GPU's caching allocator does)")
-    p.add_argument("--cpp-meta", action="store_true", help=argparse.SUPPRESS)  # (steps_table)
+    p.add_argument("--shape-meta", action="store_true", help=argparse.SUPPRESS)  # (steps_table)
     args = p.parse_args(argv)
-    if args.cpp_meta:  # cpp_meta_steps' process: the meta steps alone, --repeat as given
-        cpp_meta_functions()
+    if args.shape_meta:  # shape_meta_steps' process: the meta steps alone, --repeat as given
+        if not args.json:
+            p.error("--shape-meta writes its rows to --json FILE only")
+        shape_meta_functions()
+        caching_malloc()  # as the parent's meta column
         with kernels.supported_anywhere():
             steps = measure_steps(args.models, args.batch, args.repeat, narrow=False)
         Path(args.json).write_text(json.dumps(dict(steps=steps)))
