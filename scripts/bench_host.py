@@ -366,8 +366,8 @@ def measure_steps(models, batch: int, repeat: int, narrow: bool = True) -> List[
     """Per model: ATen ops, copies and launches of a training step on meta tensors at
     ``batch``, its host ms there, and (``narrow``, models in NARROW) on CPU tensors, narrowed,
     batch 1; with ``narrow``, also its host ms on meta tensors with meta functions at a GPU
-    host's cost (:func:`shape_meta_steps`). A step is a training step of timm's train.py: gradients set to
-    None, forward, loss, backward."""
+    host's cost (:func:`shape_meta_steps`). A step is a training step of timm's train.py:
+    gradients set to None, forward, loss, backward."""
     import timm
     rows = []
     for i, name in enumerate(models):
@@ -541,10 +541,11 @@ def steps_table(rows: List[dict], batch: int) -> str:
                  f"batch {batch}: ATen ops, copies ({', '.join(COPIES)}), kernel launches, host "
                  "ms with torch's Python meta functions (as torch registers them, for tracing) "
                  "and with meta functions at a GPU host's cost (shape meta: torch's C++ ones "
-                 "where it has them, shape-only ones for LayerNorm and roll); narrow: copies and host ms on CPU tensors, batch 1, the model "
-                 "at head dim 1 (QnA-ViT 2) with its depths, heads and windows (the same ops in "
-                 "C++, their CPU work included: Swin's window attention among it, attnzoo's "
-                 "kernels not); x: over swin_tiny's.", "",
+                 "where it has them, shape-only ones for LayerNorm and roll); narrow: copies and "
+                 "host ms on CPU tensors, batch 1, the model at head dim 1 (QnA-ViT 2) with its "
+                 "depths, heads and windows (the same ops in C++, their CPU work included: "
+                 "Swin's window attention among it, attnzoo's kernels not); x: over "
+                 "swin_tiny's.", "",
              "| model | ATen ops | copies, meta | copies, narrow | launches | host ms, meta | "
              "host ms, shape meta | host ms, narrow | ops x | meta x | shape meta x | narrow x |",
              "|---" * 12 + "|"]
