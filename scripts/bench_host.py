@@ -365,9 +365,8 @@ NARROW = {"nat_mini": dict(embed_dim=2), "nat_tiny": dict(embed_dim=2),
 def measure_steps(models, batch: int, repeat: int, narrow: bool = True) -> List[dict]:
     """Per model: ATen ops, copies and launches of a training step on meta tensors at
     ``batch``, its host ms there, and (``narrow``, models in NARROW) on CPU tensors, narrowed,
-    batch 1; with ``narrow``, also its host ms on meta tensors with meta functions at a GPU
-    host's cost (:func:`shape_meta_steps`). A step is a training step of timm's train.py:
-    gradients set to None, forward, loss, backward."""
+    batch 1. A step is a training step of timm's train.py: gradients set to None, forward,
+    loss, backward."""
     import timm
     rows = []
     for i, name in enumerate(models):
@@ -390,11 +389,6 @@ def measure_steps(models, batch: int, repeat: int, narrow: bool = True) -> List[
         rows.append(dict(model=name, ops=sum(ops.values()), copies=sum(ops[c] for c in COPIES),
                          narrow_copies=narrow_copies, launches=launched, ms=ms,
                          narrow_ms=narrow_ms))
-    if narrow:
-        shaped = shape_meta_steps(models, batch, repeat)
-        for r in rows:
-            r["shape_ms"], r["shape_ops"] = (shaped[r["model"]]["ms"], shaped[r["model"]][
-                "ops"]) if shaped else (None, None)
     return rows
 
 
@@ -551,7 +545,7 @@ def steps_table(rows: List[dict], batch: int) -> str:
              "|---" * 12 + "|"]
     for r in rows:
         def ratio(key):
-            if not anchor or r.get(key) is None or anchor.get(key) is None:
+            if not anchor or r[key] is None or anchor[key] is None:
                 return "-"
             return f"{r[key] / anchor[key]:.2f}"
         copies = "-" if r["narrow_copies"] is None else r["narrow_copies"]
@@ -612,7 +606,12 @@ def main(argv: List[str] = None) -> int:
         with kernels.supported_anywhere():
             rows = measure_calls(args.number, args.repeat, simulated)
             if args.steps:
-                steps = measure_steps(args.models, args.batch, max(args.repeat // 2, 1))
+                repeat = max(args.repeat // 2, 1)
+                steps = measure_steps(args.models, args.batch, repeat)
+                shaped = shape_meta_steps(args.models, args.batch, repeat)
+                for r in steps:
+                    found = shaped.get(r["model"], {})
+                    r["shape_ms"], r["shape_ops"] = found.get("ms"), found.get("ops")
     text = calls_table(rows, shown, caching)
     if steps:
         text += "\n" + steps_table(steps, args.batch)
