@@ -39,12 +39,14 @@ kernels), the kernel launches captured and the host milliseconds of the step, wh
 Python meta functions dominate (a LayerNorm's forward and backward take some 3 ms there); the
 same step with meta functions at a GPU host's cost, a shape computation ("shape meta": torch's
 C++ meta function or composite where an op has one, shape-only ones for LayerNorm and ``roll``;
-``shape_meta_functions``, in a process of its own); and
-the copies and host milliseconds on CPU tensors at batch 1 of the model narrowed to head dim 1
-(QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++ as on a
-GPU's host, their CPU work included: small, but for Swin's window attention, which does not
-narrow; real tensors' strides, where meta's LayerNorm backward gives others, which cost
-clones).
+``shape_meta_functions``, in a process of its own), there also for NAT and DiNAT with each
+NA call a view of its qkv projection ("NA a view": the step without NA's host path, the rest of
+the model as it is); and the copies and host milliseconds on CPU tensors at batch 1 of the
+model narrowed to head dim 1 (QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops,
+run by torch's C++ as on a GPU's host, their CPU work included: small, but for Swin's window
+attention, which does not narrow; real tensors' strides, where meta's LayerNorm backward gives
+others, which cost clones). The meta steps are timed in rounds over the models, the garbage
+collector paused.
 Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
 
     python scripts/bench_host.py                       # the per-call table
@@ -61,7 +63,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -362,33 +364,82 @@ NARROW = {"nat_mini": dict(embed_dim=2), "nat_tiny": dict(embed_dim=2),
           "qna_vit_tiny": dict(embed_dim=16), "swin_tiny_patch4_window7_224": dict(embed_dim=3)}
 
 
-def measure_steps(models, batch: int, repeat: int, narrow: bool = True) -> List[dict]:
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off, as timeit has it: a collection, started by the
+    objects a step allocates, would land in some timings and not others."""
+    import gc
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _na_as_view() -> Iterator[None]:
+    """NAT's and DiNAT's attention call replaced by a view of its qkv projection (q's: the
+    output's shape, at a ``select``'s host cost forward and backward): what their step costs
+    without NA's host path, the rest of the model as it is."""
+    from attnzoo.layers import neighborhood as layer
+    call = layer.na2d_qkv_dispatch
+    layer.na2d_qkv_dispatch = lambda qkv, *args: qkv.select(3, 0)
+    try:
+        yield
+    finally:
+        layer.na2d_qkv_dispatch = call
+
+
+def measure_steps(models, batch: int, repeat: int, narrow: bool = True,
+                  na_view: bool = False) -> List[dict]:
     """Per model: ATen ops, copies and launches of a training step on meta tensors at
     ``batch``, its host ms there, and (``narrow``, models in NARROW) on CPU tensors, narrowed,
     batch 1. A step is a training step of timm's train.py: gradients set to None, forward,
-    loss, backward."""
+    loss, backward. ``na_view``: also the host ms of a model with NA layers with its NA calls
+    a view (:func:`_na_as_view`), ``na_view_ms``. The meta steps are timed in rounds, each
+    step once a round, the best of ``repeat`` kept: a drift of the machine's speed weighs on
+    every model alike, and their ratios hold."""
+    from attnzoo.layers import NeighborhoodAttention2d
     import timm
-    rows = []
-    for i, name in enumerate(models):
-        print(f"[{i + 1}/{len(models)}] step of {name}", file=sys.stderr, flush=True)
-        with torch.device("meta"):
-            model = timm.create_model(name).train()
-        step = _step(model, torch.empty(batch, 3, 224, 224, device="meta"))
-        with attnzoo.use_backend("cuda"), \
-                kernels.capture_launches(arguments=False) as launches:
+    rows, timed = [], {}  # timed: (model, column) -> (step, the context it runs in)
+    with attnzoo.use_backend("cuda"), kernels.capture_launches(arguments=False) as launches:
+        for i, name in enumerate(models):
+            print(f"[{i + 1}/{len(models)}] step of {name}", file=sys.stderr, flush=True)
+            with torch.device("meta"):
+                model = timm.create_model(name).train()
+            step = _step(model, torch.empty(batch, 3, 224, 224, device="meta"))
             step()
             launches.clear()
             with _Count() as counted:
                 step()
             launched = len(launches)
-            ms = _best_ms(step, launches, repeat)
+            launches.clear()
             # (a narrow step takes some 30 ms: ten of them, the best kept)
             narrow_ms, narrow_copies = _narrow(name, launches, 10) if (
                 narrow and name in NARROW) else (None, None)
-        ops = counted.ops
-        rows.append(dict(model=name, ops=sum(ops.values()), copies=sum(ops[c] for c in COPIES),
-                         narrow_copies=narrow_copies, launches=launched, ms=ms,
-                         narrow_ms=narrow_ms))
+            timed[name, "ms"] = step, contextlib.nullcontext
+            if na_view and any(isinstance(m, NeighborhoodAttention2d) for m in model.modules()):
+                timed[name, "na_view_ms"] = step, _na_as_view
+            ops = counted.ops
+            rows.append(dict(model=name, ops=sum(ops.values()),
+                             copies=sum(ops[c] for c in COPIES), narrow_copies=narrow_copies,
+                             launches=launched, narrow_ms=narrow_ms, na_view_ms=None))
+        print(f"timing the steps, {repeat} rounds", file=sys.stderr, flush=True)
+        best = {cell: float("inf") for cell in timed}
+        with _gc_paused():
+            for _ in range(repeat + 1):  # the first warms the call keys
+                for cell, (step, context) in timed.items():
+                    with context():
+                        start = time.perf_counter()
+                        step()
+                        best[cell] = min(best[cell], time.perf_counter() - start)
+                    launches.clear()
+    for row in rows:
+        row.update({column: best[model, column] * 1e3 for (model, column) in best
+                    if model == row["model"]})
     return rows
 
 
@@ -433,8 +484,9 @@ def shape_meta_functions() -> None:
 
 def shape_meta_steps(models, batch: int, repeat: int) -> Dict[str, dict]:
     """The meta step of :func:`measure_steps` with meta functions at a GPU host's cost
-    (:func:`shape_meta_functions`), in a process of its own: per model, its ops and host ms;
-    nothing where that process failed (torch's private registrations it reads moved, say)."""
+    (:func:`shape_meta_functions`), in a process of its own: per model, its ops and host ms,
+    and NAT's and DiNAT's with NA a view (``na_view_ms``); nothing where that process failed
+    (torch's private registrations it reads moved, say)."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
@@ -472,8 +524,12 @@ def _narrow(name: str, launches: list, repeat: int) -> Tuple[float, int]:
 
 
 def _step(model, x):
+    # gradients set to None as train.py does, by its optimizer: the model's zero_grad walks
+    # every module (nat_tiny's 572, swin_tiny's 247), some 2.6 and 1.1 ms on a slow day
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
     def step():
-        model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         model(x).float().logsumexp(-1).mean().backward()
     return step
 
@@ -535,24 +591,29 @@ def steps_table(rows: List[dict], batch: int) -> str:
                  f"batch {batch}: ATen ops, copies ({', '.join(COPIES)}), kernel launches, host "
                  "ms with torch's Python meta functions (as torch registers them, for tracing) "
                  "and with meta functions at a GPU host's cost (shape meta: torch's C++ ones "
-                 "where it has them, shape-only ones for LayerNorm and roll); narrow: copies and "
+                 "where it has them, shape-only ones for LayerNorm and roll), and there with "
+                 "each NA call a view of its qkv projection (NA a view: the model's step "
+                 "without NA's host path); narrow: copies and "
                  "host ms on CPU tensors, batch 1, the model at head dim 1 (QnA-ViT 2) with its "
                  "depths, heads and windows (the same ops in C++, their CPU work included: "
                  "Swin's window attention among it, attnzoo's kernels not); x: over "
                  "swin_tiny's.", "",
              "| model | ATen ops | copies, meta | copies, narrow | launches | host ms, meta | "
-             "host ms, shape meta | host ms, narrow | ops x | meta x | shape meta x | narrow x |",
-             "|---" * 12 + "|"]
+             "host ms, shape meta | host ms, shape meta, NA a view | host ms, narrow | ops x | "
+             "meta x | shape meta x | NA a view x | narrow x |",
+             "|---" * 14 + "|"]
     for r in rows:
-        def ratio(key):
-            if not anchor or r[key] is None or anchor[key] is None:
+        def ratio(key, over=None):
+            base = anchor and anchor[over or key]
+            if not base or r[key] is None:
                 return "-"
-            return f"{r[key] / anchor[key]:.2f}"
+            return f"{r[key] / base:.2f}"
         copies = "-" if r["narrow_copies"] is None else r["narrow_copies"]
         lines.append(f"| {r['model']} | {r['ops']} | {r['copies']} | {copies} | "
                      f"{r['launches']} | {r['ms']:.0f} | {_f(r['shape_ms'], 0)} | "
-                     f"{_f(r['narrow_ms'])} | {ratio('ops')} | {ratio('ms')} | "
-                     f"{ratio('shape_ms')} | {ratio('narrow_ms')} |")
+                     f"{_f(r['na_view_ms'], 0)} | {_f(r['narrow_ms'])} | {ratio('ops')} | "
+                     f"{ratio('ms')} | {ratio('shape_ms')} | "
+                     f"{ratio('na_view_ms', 'shape_ms')} | {ratio('narrow_ms')} |")
     return "\n".join(lines)
 
 
@@ -585,7 +646,8 @@ def main(argv: List[str] = None) -> int:
         shape_meta_functions()
         caching_malloc()  # as the parent's meta column
         with kernels.supported_anywhere():
-            steps = measure_steps(args.models, args.batch, args.repeat, narrow=False)
+            steps = measure_steps(args.models, args.batch, args.repeat, narrow=False,
+                                  na_view=True)
         Path(args.json).write_text(json.dumps(dict(steps=steps)))
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -612,6 +674,7 @@ def main(argv: List[str] = None) -> int:
                 for r in steps:
                     found = shaped.get(r["model"], {})
                     r["shape_ms"], r["shape_ops"] = found.get("ms"), found.get("ops")
+                    r["na_view_ms"] = found.get("na_view_ms")
     text = calls_table(rows, shown, caching)
     if steps:
         text += "\n" + steps_table(steps, args.batch)

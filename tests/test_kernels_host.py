@@ -207,7 +207,7 @@ def test_bench_host_runs_its_tables(capsys, tmp_path):
     assert "glibc's malloc keeping freed memory" in out  # (this machine's C library)
     row = next(line for line in out.splitlines() if line.startswith("| nat_mini |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 12 and float(cells[5]) > 0 and float(cells[7]) > 0  # meta, narrow ms
+    assert len(cells) == 14 and float(cells[5]) > 0 and float(cells[8]) > 0  # meta, narrow ms
     assert int(cells[2]) >= int(cells[3])  # copies on meta and narrow
     # the same step with meta functions at a GPU host's cost (a process of its own): its ops
     # the same but for clones of LayerNorm's gradients (meta's Python gives other strides),
@@ -215,6 +215,8 @@ def test_bench_host_runs_its_tables(capsys, tmp_path):
     [step] = json.loads((tmp_path / "rows.json").read_text())["steps"]
     assert step["ops"] == int(cells[1]) and 0 <= step["ops"] - step["shape_ops"] <= 10, step
     assert 0 < step["shape_ms"] < 0.7 * step["ms"] and float(cells[6]) > 0, step
+    # and there with each NA call a view of its qkv: cheaper than NA's host path
+    assert 0 < step["na_view_ms"] < step["shape_ms"] and float(cells[7]) > 0, step
     # the script told every support check yes while it measured only
     assert [module.support for module in (kn, qna, san)] == checks
 
