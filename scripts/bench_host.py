@@ -40,8 +40,9 @@ Python meta functions dominate (a LayerNorm's forward and backward take some 3 m
 same step with meta functions at a GPU host's cost, a shape computation ("shape meta": torch's
 C++ meta function or composite where an op has one, shape-only ones for LayerNorm and ``roll``;
 ``shape_meta_functions``, in a process of its own), there also for NAT and DiNAT with each
-NA call a view of its qkv projection ("NA a view": the step without NA's host path, the rest of
-the model as it is); and the copies and host milliseconds on CPU tensors at batch 1 of the
+NA call reduced to its allocations in an ``autograd.Function`` ("NA at its floor", the per-call
+table's floor row: the step were NA's host code no more than that, the rest of the model as it
+is); and the copies and host milliseconds on CPU tensors at batch 1 of the
 model narrowed to head dim 1 (QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops,
 run by torch's C++ as on a GPU's host, their CPU work included: small, but for Swin's window
 attention, which does not narrow; real tensors' strides, where meta's LayerNorm backward gives
@@ -217,7 +218,7 @@ class _Allocations(torch.autograd.Function):
     def backward(ctx, do):
         qkv, rpb, lse = ctx.saved_tensors
         lse.new_empty(lse.numel() * 2)
-        return qkv.new_empty(qkv.shape), rpb.new_empty(rpb.shape)
+        return qkv.new_empty(qkv.shape), None if rpb is None else rpb.new_empty(rpb.shape)
 
 
 def _floor(make):
@@ -380,13 +381,14 @@ def _gc_paused() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _na_as_view() -> Iterator[None]:
-    """NAT's and DiNAT's attention call replaced by a view of its qkv projection (q's: the
-    output's shape, at a ``select``'s host cost forward and backward): what their step costs
-    without NA's host path, the rest of the model as it is."""
+def _na_at_floor() -> Iterator[None]:
+    """NAT's and DiNAT's attention call reduced to its floor, its allocations in an
+    ``autograd.Function`` (:class:`_Allocations`, the per-call table's floor row): what their
+    step would cost with no host code in NA beyond that, the rest of the model as it is."""
     from attnzoo.layers import neighborhood as layer
     call = layer.na2d_qkv_dispatch
-    layer.na2d_qkv_dispatch = lambda qkv, *args: qkv.select(3, 0)
+    layer.na2d_qkv_dispatch = lambda qkv, kernel_size, dilation, rpb, *args: \
+        _Allocations.apply(qkv, rpb)
     try:
         yield
     finally:
@@ -394,12 +396,12 @@ def _na_as_view() -> Iterator[None]:
 
 
 def measure_steps(models, batch: int, repeat: int, narrow: bool = True,
-                  na_view: bool = False) -> List[dict]:
+                  na_floor: bool = False) -> List[dict]:
     """Per model: ATen ops, copies and launches of a training step on meta tensors at
     ``batch``, its host ms there, and (``narrow``, models in NARROW) on CPU tensors, narrowed,
     batch 1. A step is a training step of timm's train.py: gradients set to None, forward,
-    loss, backward. ``na_view``: also the host ms of a model with NA layers with its NA calls
-    a view (:func:`_na_as_view`), ``na_view_ms``. The meta steps are timed in rounds, each
+    loss, backward. ``na_floor``: also the host ms of a model with NA layers with its NA calls
+    at their floor (:func:`_na_at_floor`), ``na_floor_ms``. The meta steps are timed in rounds, each
     step once a round, the best of ``repeat`` kept: a drift of the machine's speed weighs on
     every model alike, and their ratios hold."""
     from attnzoo.layers import NeighborhoodAttention2d
@@ -421,12 +423,13 @@ def measure_steps(models, batch: int, repeat: int, narrow: bool = True,
             narrow_ms, narrow_copies = _narrow(name, launches, 10) if (
                 narrow and name in NARROW) else (None, None)
             timed[name, "ms"] = step, contextlib.nullcontext
-            if na_view and any(isinstance(m, NeighborhoodAttention2d) for m in model.modules()):
-                timed[name, "na_view_ms"] = step, _na_as_view
+            if na_floor and any(isinstance(m, NeighborhoodAttention2d)
+                                for m in model.modules()):
+                timed[name, "na_floor_ms"] = step, _na_at_floor
             ops = counted.ops
             rows.append(dict(model=name, ops=sum(ops.values()),
                              copies=sum(ops[c] for c in COPIES), narrow_copies=narrow_copies,
-                             launches=launched, narrow_ms=narrow_ms, na_view_ms=None))
+                             launches=launched, narrow_ms=narrow_ms, na_floor_ms=None))
         print(f"timing the steps, {repeat} rounds", file=sys.stderr, flush=True)
         best = {cell: float("inf") for cell in timed}
         with _gc_paused():
@@ -485,7 +488,7 @@ def shape_meta_functions() -> None:
 def shape_meta_steps(models, batch: int, repeat: int) -> Dict[str, dict]:
     """The meta step of :func:`measure_steps` with meta functions at a GPU host's cost
     (:func:`shape_meta_functions`), in a process of its own: per model, its ops and host ms,
-    and NAT's and DiNAT's with NA a view (``na_view_ms``); nothing where that process failed
+    and NAT's and DiNAT's with NA at its floor (``na_floor_ms``); nothing where that process failed
     (torch's private registrations it reads moved, say)."""
     import subprocess
     import tempfile
@@ -592,15 +595,15 @@ def steps_table(rows: List[dict], batch: int) -> str:
                  "ms with torch's Python meta functions (as torch registers them, for tracing) "
                  "and with meta functions at a GPU host's cost (shape meta: torch's C++ ones "
                  "where it has them, shape-only ones for LayerNorm and roll), and there with "
-                 "each NA call a view of its qkv projection (NA a view: the model's step "
-                 "without NA's host path); narrow: copies and "
+                 "each NA call reduced to its allocations in an autograd.Function (NA at its "
+                 "floor: the step were NA's host code no more than that); narrow: copies and "
                  "host ms on CPU tensors, batch 1, the model at head dim 1 (QnA-ViT 2) with its "
                  "depths, heads and windows (the same ops in C++, their CPU work included: "
                  "Swin's window attention among it, attnzoo's kernels not); x: over "
                  "swin_tiny's.", "",
              "| model | ATen ops | copies, meta | copies, narrow | launches | host ms, meta | "
-             "host ms, shape meta | host ms, shape meta, NA a view | host ms, narrow | ops x | "
-             "meta x | shape meta x | NA a view x | narrow x |",
+             "host ms, shape meta | host ms, shape meta, NA at its floor | host ms, narrow | "
+             "ops x | meta x | shape meta x | NA at its floor x | narrow x |",
              "|---" * 14 + "|"]
     for r in rows:
         def ratio(key, over=None):
@@ -611,9 +614,9 @@ def steps_table(rows: List[dict], batch: int) -> str:
         copies = "-" if r["narrow_copies"] is None else r["narrow_copies"]
         lines.append(f"| {r['model']} | {r['ops']} | {r['copies']} | {copies} | "
                      f"{r['launches']} | {r['ms']:.0f} | {_f(r['shape_ms'], 0)} | "
-                     f"{_f(r['na_view_ms'], 0)} | {_f(r['narrow_ms'])} | {ratio('ops')} | "
+                     f"{_f(r['na_floor_ms'], 0)} | {_f(r['narrow_ms'])} | {ratio('ops')} | "
                      f"{ratio('ms')} | {ratio('shape_ms')} | "
-                     f"{ratio('na_view_ms', 'shape_ms')} | {ratio('narrow_ms')} |")
+                     f"{ratio('na_floor_ms', 'shape_ms')} | {ratio('narrow_ms')} |")
     return "\n".join(lines)
 
 
@@ -647,7 +650,7 @@ def main(argv: List[str] = None) -> int:
         caching_malloc()  # as the parent's meta column
         with kernels.supported_anywhere():
             steps = measure_steps(args.models, args.batch, args.repeat, narrow=False,
-                                  na_view=True)
+                                  na_floor=True)
         Path(args.json).write_text(json.dumps(dict(steps=steps)))
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -674,7 +677,7 @@ def main(argv: List[str] = None) -> int:
                 for r in steps:
                     found = shaped.get(r["model"], {})
                     r["shape_ms"], r["shape_ops"] = found.get("ms"), found.get("ops")
-                    r["na_view_ms"] = found.get("na_view_ms")
+                    r["na_floor_ms"] = found.get("na_floor_ms")
     text = calls_table(rows, shown, caching)
     if steps:
         text += "\n" + steps_table(steps, args.batch)

@@ -215,8 +215,8 @@ def test_bench_host_runs_its_tables(capsys, tmp_path):
     [step] = json.loads((tmp_path / "rows.json").read_text())["steps"]
     assert step["ops"] == int(cells[1]) and 0 <= step["ops"] - step["shape_ops"] <= 10, step
     assert 0 < step["shape_ms"] < 0.7 * step["ms"] and float(cells[6]) > 0, step
-    # and there with each NA call a view of its qkv: cheaper than NA's host path
-    assert 0 < step["na_view_ms"] < step["shape_ms"] and float(cells[7]) > 0, step
+    # and there with each NA call at its floor (its allocations in an autograd.Function)
+    assert 0 < step["na_floor_ms"] < step["shape_ms"] and float(cells[7]) > 0, step
     # the script told every support check yes while it measured only
     assert [module.support for module in (kn, qna, san)] == checks
 
