@@ -42,11 +42,11 @@ C++ meta function or composite where an op has one, shape-only ones for LayerNor
 ``shape_meta_functions``, in a process of its own), there also for NAT and DiNAT with each
 NA call reduced to its allocations in an ``autograd.Function`` ("NA at its floor", the per-call
 table's floor row: the step were NA's host code no more than that, the rest of the model as it
-is); and the copies and host milliseconds on CPU tensors at batch 1 of the
-model narrowed to head dim 1 (QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops,
-run by torch's C++ as on a GPU's host, their CPU work included: small, but for Swin's window
-attention, which does not narrow; real tensors' strides, where meta's LayerNorm backward gives
-others, which cost clones). The meta steps are timed in rounds over the models, the garbage
+is); and the copies and host milliseconds on CPU tensors at batch 1 of the model narrowed to
+head dim 1 (QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++
+as on a GPU's host, their CPU work included: small, but for Swin's window attention, which does
+not narrow; real tensors' strides, where meta's LayerNorm backward gives others, which cost
+clones). The meta steps are timed in rounds over the models, the garbage
 collector paused.
 Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
 
@@ -401,9 +401,9 @@ def measure_steps(models, batch: int, repeat: int, narrow: bool = True,
     ``batch``, its host ms there, and (``narrow``, models in NARROW) on CPU tensors, narrowed,
     batch 1. A step is a training step of timm's train.py: gradients set to None, forward,
     loss, backward. ``na_floor``: also the host ms of a model with NA layers with its NA calls
-    at their floor (:func:`_na_at_floor`), ``na_floor_ms``. The meta steps are timed in rounds, each
-    step once a round, the best of ``repeat`` kept: a drift of the machine's speed weighs on
-    every model alike, and their ratios hold."""
+    at their floor (:func:`_na_at_floor`), ``na_floor_ms``. The meta steps are timed in rounds,
+    each step once a round, the best of ``repeat`` kept: a drift of the machine's speed weighs
+    on every model alike, and their ratios hold."""
     from attnzoo.layers import NeighborhoodAttention2d
     import timm
     rows, timed = [], {}  # timed: (model, column) -> (step, the context it runs in)
@@ -488,8 +488,8 @@ def shape_meta_functions() -> None:
 def shape_meta_steps(models, batch: int, repeat: int) -> Dict[str, dict]:
     """The meta step of :func:`measure_steps` with meta functions at a GPU host's cost
     (:func:`shape_meta_functions`), in a process of its own: per model, its ops and host ms,
-    and NAT's and DiNAT's with NA at its floor (``na_floor_ms``); nothing where that process failed
-    (torch's private registrations it reads moved, say)."""
+    and NAT's and DiNAT's with NA at its floor (``na_floor_ms``); nothing where that process
+    failed (torch's private registrations it reads moved, say)."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
@@ -528,7 +528,7 @@ def _narrow(name: str, launches: list, repeat: int) -> Tuple[float, int]:
 
 def _step(model, x):
     # gradients set to None as train.py does, by its optimizer: the model's zero_grad walks
-    # every module (nat_tiny's 572, swin_tiny's 247), some 2.6 and 1.1 ms on a slow day
+    # every module (nat_tiny's 572, swin_tiny's 247), ~2.4 and ~1.1 ms on a slow day
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step():
