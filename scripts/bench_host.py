@@ -46,8 +46,7 @@ is); and the copies and host milliseconds on CPU tensors at batch 1 of the model
 head dim 1 (QnA-ViT 2; ``NARROW``: the same depths, heads, windows and ops, run by torch's C++
 as on a GPU's host, their CPU work included: small, but for Swin's window attention, which does
 not narrow; real tensors' strides, where meta's LayerNorm backward gives others, which cost
-clones). The meta steps are timed in rounds over the models, the garbage
-collector paused.
+clones). The meta steps are timed in rounds over the models, the garbage collector paused.
 Without CUDA, autocast is off: the bf16 casts a GPU step adds are not counted.
 
     python scripts/bench_host.py                       # the per-call table
@@ -431,18 +430,10 @@ def measure_steps(models, batch: int, repeat: int, narrow: bool = True,
                              copies=sum(ops[c] for c in COPIES), narrow_copies=narrow_copies,
                              launches=launched, narrow_ms=narrow_ms, na_floor_ms=None))
         print(f"timing the steps, {repeat} rounds", file=sys.stderr, flush=True)
-        best = {cell: float("inf") for cell in timed}
         with _gc_paused():
-            for _ in range(repeat + 1):  # the first warms the call keys
-                for cell, (step, context) in timed.items():
-                    with context():
-                        start = time.perf_counter()
-                        step()
-                        best[cell] = min(best[cell], time.perf_counter() - start)
-                    launches.clear()
+            best = _best_ms_in_rounds(timed, launches, repeat)
     for row in rows:
-        row.update({column: best[model, column] * 1e3 for (model, column) in best
-                    if model == row["model"]})
+        row.update({column: ms for (model, column), ms in best.items() if model == row["model"]})
     return rows
 
 
@@ -516,7 +507,7 @@ def _narrow(name: str, launches: list, repeat: int) -> Tuple[float, int]:
     torch.set_flush_denormal(True)
     try:
         step = _step(model, torch.randn(1, 3, 224, 224))
-        ms = _best_ms(step, launches, repeat)
+        ms = _best_ms_in_rounds({name: (step, contextlib.nullcontext)}, launches, repeat)[name]
         with _Count() as counted:
             step()
         launches.clear()
@@ -537,14 +528,18 @@ def _step(model, x):
     return step
 
 
-def _best_ms(step, launches: list, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat + 1):  # the first warms the call keys
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-        launches.clear()
-    return best * 1e3
+def _best_ms_in_rounds(cells: dict, launches: list, repeat: int) -> dict:
+    """Per cell ``(step, context)``: the best ms of ``step`` run in ``context()``, the cells
+    timed in ``repeat + 1`` rounds, each once a round (the first round warms the call keys)."""
+    best = dict.fromkeys(cells, float("inf"))
+    for _ in range(repeat + 1):
+        for cell, (step, context) in cells.items():
+            with context():
+                start = time.perf_counter()
+                step()
+                best[cell] = min(best[cell], time.perf_counter() - start)
+            launches.clear()
+    return {cell: seconds * 1e3 for cell, seconds in best.items()}
 
 
 def _f(x, digits: int = 1) -> str:
